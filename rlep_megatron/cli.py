@@ -1,0 +1,62 @@
+"""The ``rlep`` console script.
+
+Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrides and runs under
+``torchrun`` or alone as one rank. Subcommands:
+
+* ``rlep config [--config F] [overrides...] [--keys]``: validate a recipe and print the resolved
+  configuration as YAML (``--keys`` lists every valid ``section.key``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import yaml
+
+from rlep_megatron import config as config_lib
+from rlep_megatron.distributed import setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="YAML recipe (see examples/)")
+    parser.add_argument("--log-all-ranks", action="store_true",
+                        help="print logs of every rank, not only rank 0")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="override any config key, e.g. trainer.total_steps=10")
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    if args.keys:
+        print("\n".join(config_lib.valid_keys()))
+        return 0
+    cfg = config_lib.load_config(args.config, args.overrides)
+    print(yaml.safe_dump(config_lib.config_to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlep", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_config = sub.add_parser("config", help="validate a recipe and print the resolved config")
+    _add_common(p_config)
+    p_config.add_argument("--keys", action="store_true", help="list every valid section.key")
+    p_config.set_defaults(func=_cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(log_all_ranks=getattr(args, "log_all_ranks", False))
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        logger.error("%s", err)
+        print(f"rlep {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

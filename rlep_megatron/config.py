@@ -1,0 +1,494 @@
+"""The typed run configuration: one frozen dataclass per component, YAML recipes, CLI overrides.
+
+A recipe is a YAML mapping of sections (``trainer:``, ``rollout:`` ...) to keys. On the command
+line, ``section.key=value`` overrides any key; the value is parsed as YAML and coerced to the
+field's declared type. Unknown sections or keys, and values of the wrong type, raise
+``ValueError`` naming the key (and, for unknown keys, listing the valid ones).
+
+Usage::
+
+    cfg = load_config("examples/tiny_cpu_rlep.yaml", ["trainer.total_steps=4"])
+    dump_config(cfg, cfg.trainer.output_dir)   # writes config.yaml next to the run's outputs
+
+Configs are never mutated after construction; derive a new one with ``dataclasses.replace``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hf_dir: str = ""
+    """HF checkpoint directory (config.json, tokenizer, safetensors) the run starts from."""
+    mcore_dir: str = ""
+    """Optional megatron-core dist checkpoint converted from ``hf_dir``; used instead of the
+    safetensors when set (faster start for large models)."""
+    params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype of the actor; ``auto`` is bfloat16 on GPU and float32 on CPU."""
+    recompute_activations: bool = False
+    """Recompute transformer layers in the backward pass (megatron-core full recompute)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """Actor tensor-parallel degree; must divide attention heads and query groups."""
+    pipeline_model_parallel_size: int = 1
+    """Actor pipeline-parallel degree; must divide the number of layers."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline stage (interleaved schedule); null for none."""
+    context_parallel_size: int = 1
+    """Context-parallel degree (sequence split across ranks for attention)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside tensor-parallel groups (GPU only)."""
+
+    def __post_init__(self):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "context_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
+            raise ValueError(
+                f"parallel.virtual_pipeline_model_parallel_size={vpp} needs a value >= 1 and "
+                f"pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size})")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Training parquet files in the DAPO schema (RLEP_SPEC.md section 2)."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation parquet files; metrics are reported per ``data_source``."""
+    train_batch_size: int = 512
+    """Prompt rows drawn per training step (before the G rollouts per prompt)."""
+    max_prompt_tokens: int = 1024
+    """Prompt budget; longer prompts are truncated from the left."""
+    shuffle: bool = True
+    """Seeded shuffle of the training rows every epoch."""
+    drop_last: bool = True
+    """Drop the incomplete last batch of an epoch."""
+
+    def __post_init__(self):
+        if self.train_batch_size < 1:
+            raise ValueError(f"data.train_batch_size must be >= 1, got {self.train_batch_size}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    num_samples_per_prompt: int = 16
+    """G: fresh responses generated per prompt."""
+    tensor_model_parallel_size: int = 1
+    """vLLM tensor-parallel degree, independent of the actor's."""
+    temperature: float = 1.0
+    """Sampling temperature of the fresh rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    max_response_tokens: int = 3072
+    """Response budget (new tokens); replayed answers are truncated to it as well."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights and KV cache (GPU only)."""
+    enable_sleep_mode: bool = True
+    """Release vLLM weights/KV cache during training (GPU only; skipped on CPU)."""
+    weight_sync_bucket_bytes: int = 512 * 1024 * 1024
+    """Bucket size of the Megatron -> vLLM weight stream."""
+
+    def __post_init__(self):
+        if self.num_samples_per_prompt < 1:
+            raise ValueError(
+                f"rollout.num_samples_per_prompt must be >= 1, got {self.num_samples_per_prompt}")
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError("rollout.tensor_model_parallel_size must be >= 1, got "
+                             f"{self.tensor_model_parallel_size}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_response_tokens < 1:
+            raise ValueError(
+                f"rollout.max_response_tokens must be >= 1, got {self.max_response_tokens}")
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    num_replays_per_prompt: int = 0
+    """M: pool answers appended to each group (0 = plain DAPO/GRPO baseline)."""
+    pool_files: list[str] = field(default_factory=list)
+    """Parquet files with ``reward_model.candidates``; empty = read candidates from the
+    training files themselves (RLEP's released file layout)."""
+
+    def __post_init__(self):
+        if self.num_replays_per_prompt < 0:
+            raise ValueError("replay.num_replays_per_prompt must be >= 0, got "
+                             f"{self.num_replays_per_prompt}")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    backend: Literal["local", "ray"] = "local"
+    """Scorer pool: local worker processes, or Ray tasks spread over the cluster."""
+    num_workers: int = 2
+    """Scorer worker processes (local backend) or concurrent tasks (Ray backend)."""
+    timeout_s: float = 10.0
+    """Hard per-answer timeout; a timed-out answer scores -1."""
+    overlong_buffer_tokens: int = 512
+    """Overlong shaping buffer (RLEP_SPEC.md section 5); 0 disables shaping."""
+    overlong_penalty_factor: float = 1.0
+    """Maximum overlong penalty, reached at ``rollout.max_response_tokens``."""
+
+    def __post_init__(self):
+        if self.num_workers < 1:
+            raise ValueError(f"reward.num_workers must be >= 1, got {self.num_workers}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.overlong_buffer_tokens < 0:
+            raise ValueError("reward.overlong_buffer_tokens must be >= 0, got "
+                             f"{self.overlong_buffer_tokens}")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    clip_ratio_low: float = 0.2
+    """eps_low of clip-higher (RLEP_SPEC.md section 4)."""
+    clip_ratio_high: float = 0.28
+    """eps_high of clip-higher."""
+    clip_ratio_c: float = 10.0
+    """Dual-clip constant c for negative advantages."""
+    loss_agg_mode: Literal["global_token_mean", "reference_micro_batch_mean"] = \
+        "global_token_mean"
+    """Exact token mean over the mini-batch across micro-batches and DP ranks, or the reference
+    code's per-micro-batch mean weighted by sequence count."""
+    advantage_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    advantage_normalize_std: bool = True
+    """Divide by the group std (GRPO); false gives the mean-only Dr. GRPO variant."""
+    kl_coef: float = 0.0
+    """KL penalty against the reference policy; 0 disables it (recipes use 0)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator used when ``kl_coef`` > 0."""
+    entropy_coef: float = 0.0
+    """Entropy bonus; 0 disables it (recipes use 0)."""
+    dynamic_sampling: bool = False
+    """Official DAPO dynamic sampling: keep groups whose accuracy std > 0."""
+    max_generation_rounds: int = 10
+    """Generation rounds allowed per step with dynamic sampling."""
+
+    def __post_init__(self):
+        if not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"algo.clip_ratio_low must be in [0, 1), got {self.clip_ratio_low}")
+        if self.clip_ratio_high < 0:
+            raise ValueError(f"algo.clip_ratio_high must be >= 0, got {self.clip_ratio_high}")
+        if self.clip_ratio_c <= 1:
+            raise ValueError(f"algo.clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.max_generation_rounds < 1:
+            raise ValueError(
+                f"algo.max_generation_rounds must be >= 1, got {self.max_generation_rounds}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    lr_warmup_steps: int = 10
+    """Linear warmup in optimizer steps, then constant."""
+    clip_grad: float = 1.0
+    """Global grad-norm clip; a non-finite norm skips the step."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"optim.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    output_dir: str = "outputs/run"
+    """Run directory: metrics.jsonl, config.yaml, checkpoints/, TensorBoard events."""
+    total_steps: int = 400
+    """Training steps (one step = one batch of prompts)."""
+    seed: int = 1
+    """Seed of data order, replay draws, sampling and initialisation."""
+    mini_batch_size: int = 64
+    """Size of one optimizer mini-batch, in units of ``mini_batch_unit``."""
+    mini_batch_unit: Literal["prompts", "sequences"] = "prompts"
+    """``prompts``: the reference's counting, mini_batch_size x G sequences per optimizer step
+    (so RLEP's G' = G + M groups take more optimizer steps); ``sequences``: a fixed number of
+    sequences per optimizer step."""
+    micro_batch_max_tokens: int = 16384
+    """Token budget of one micro-batch (padded length x sequences) per data-parallel rank."""
+    validation_interval_steps: int = 5
+    """Validate every N steps (and at step 0); 0 disables validation."""
+    log_all_ranks: bool = False
+    """Print logs of every rank, not only rank 0 (debugging)."""
+
+    def __post_init__(self):
+        if not self.output_dir:
+            raise ValueError("trainer.output_dir must be a non-empty path")
+        if self.total_steps < 0:
+            raise ValueError(f"trainer.total_steps must be >= 0, got {self.total_steps}")
+        if self.mini_batch_size < 1:
+            raise ValueError(f"trainer.mini_batch_size must be >= 1, got {self.mini_batch_size}")
+        if self.micro_batch_max_tokens < 1:
+            raise ValueError("trainer.micro_batch_max_tokens must be >= 1, got "
+                             f"{self.micro_batch_max_tokens}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_interval_steps: int = 20
+    """Save every N training steps (and at the end); 0 saves only at the end."""
+    resume: str = "auto"
+    """``auto``: newest complete checkpoint in output_dir if any; ``never``; or a directory."""
+    keep_last: int = 3
+    """Number of newest checkpoints kept; older ones are deleted after a successful save."""
+
+    def __post_init__(self):
+        if self.save_interval_steps < 0:
+            raise ValueError("checkpoint.save_interval_steps must be >= 0, got "
+                             f"{self.save_interval_steps}")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}")
+        if not self.resume:
+            raise ValueError("checkpoint.resume must be 'auto', 'never' or a directory")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    num_samples_per_prompt: int = 32
+    """k: samples per validation/eval question (mean@k, maj@k, best@k, pass@k)."""
+    temperature: float = 1.0
+    """Sampling temperature for validation."""
+    top_p: float = 1.0
+    """Nucleus threshold for validation."""
+    output_file: str = ""
+    """JSON written by ``rlep eval``; default <output_dir>/eval.json."""
+
+    def __post_init__(self):
+        if self.num_samples_per_prompt < 1:
+            raise ValueError(
+                f"eval.num_samples_per_prompt must be >= 1, got {self.num_samples_per_prompt}")
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    checkpoint: str = ""
+    """Checkpoint to sample from (Megatron training checkpoint or HF directory)."""
+    num_samples_per_prompt: int = 64
+    """Answers sampled per unique training question (RLEP_SPEC.md section 1)."""
+    temperature: float = 0.7
+    """Sampling temperature of collection."""
+    top_p: float = 0.95
+    """Nucleus threshold of collection."""
+    min_correct: int = 2
+    """Questions with fewer verified-correct answers are dropped from the pool."""
+    output_file: str = ""
+    """Pool parquet (RLEP schema); default <output_dir>/pool.parquet."""
+    num_shards: int = 8
+    """Collection work units; finished shards are not redone after a restart."""
+
+    def __post_init__(self):
+        if self.num_samples_per_prompt < 1:
+            raise ValueError("collect.num_samples_per_prompt must be >= 1, got "
+                             f"{self.num_samples_per_prompt}")
+        if self.min_correct < 1:
+            raise ValueError(f"collect.min_correct must be >= 1, got {self.min_correct}")
+        if self.num_shards < 1:
+            raise ValueError(f"collect.num_shards must be >= 1, got {self.num_shards}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The whole run: one section per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    collect: CollectConfig = field(default_factory=CollectConfig)
+
+
+CONFIG_FILE_NAME = "config.yaml"
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
+
+
+def valid_keys() -> list[str]:
+    """All ``section.key`` names, sorted."""
+    keys = []
+    for section, cls in _section_types().items():
+        keys.extend(f"{section}.{f.name}" for f in dataclasses.fields(cls))
+    return sorted(keys)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against a field annotation, converting only lossless cases
+    (int -> float, str of a list element). Raises ValueError naming ``key``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[-1])
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "3e-6" (no dot) as a string; accept any float literal.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if annotation is str:
+        if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+            raise ValueError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported annotation {annotation} for {key}")
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ValueError(
+                f"unknown config key '{section}.{key}'. Valid keys of section '{section}': "
+                + ", ".join(f"{section}.{n}" for n in names))
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from a nested mapping; missing keys take their defaults."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"a config must be a mapping of sections, got {type(raw).__name__}")
+    sections = _section_types()
+    built = {}
+    for section, values in raw.items():
+        if section not in sections:
+            raise ValueError(f"unknown config section '{section}'. Valid sections: "
+                             + ", ".join(sections))
+        if values is None:
+            values = {}
+        if not isinstance(values, dict):
+            raise ValueError(f"config section '{section}' must be a mapping, got {values!r}")
+        built[section] = _build_section(section, sections[section], values)
+    return RunConfig(**built)
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ValueError(f"override '{text}' must look like section.key=value")
+    dotted, raw_value = text.split("=", 1)
+    if dotted.count(".") != 1:
+        raise ValueError(f"override key '{dotted}' must look like section.key; valid keys: "
+                         + ", ".join(valid_keys()))
+    section, key = dotted.split(".")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value != "" else ""
+    except yaml.YAMLError as err:
+        raise ValueError(f"override {dotted}: cannot parse value {raw_value!r}: {err}") from None
+    return section, key, value
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> RunConfig:
+    """Load a YAML recipe (or the defaults when ``path`` is None) and apply overrides."""
+    raw: dict[str, Any] = {}
+    if path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as err:
+                raise ValueError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a recipe must be a mapping of sections")
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        if section not in _section_types():
+            raise ValueError(f"unknown config section '{section}' in override '{text}'. "
+                             "Valid sections: " + ", ".join(_section_types()))
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        raw[section][key] = value
+    return config_from_dict(raw)
+
+
+def dump_config(cfg: RunConfig, directory: str) -> str:
+    """Write ``config.yaml`` into ``directory`` atomically; returns its path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CONFIG_FILE_NAME)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+    return path

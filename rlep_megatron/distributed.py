@@ -1,0 +1,191 @@
+"""Process-group initialisation, megatron-core parallel state, rank helpers and rank-aware logging.
+
+Runs under ``torchrun`` (reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or alone
+as a single rank. The layout (TP, PP, virtual PP, CP; DP is what remains) is validated against
+the world size and the model's shape before megatron-core sees it, so a bad layout fails with a
+message naming the numbers instead of deep inside megatron.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlep_megatron import platform
+from rlep_megatron.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in the layout; passed to the components that need it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    data_parallel_size: int
+    tensor_model_parallel_rank: int
+    pipeline_model_parallel_rank: int
+    data_parallel_rank: int
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def validate_parallel_layout(world_size: int, parallel: ParallelConfig,
+                             num_attention_heads: Optional[int] = None,
+                             num_query_groups: Optional[int] = None,
+                             num_layers: Optional[int] = None) -> int:
+    """Check a layout; returns the data-parallel size. Raises ValueError naming the numbers."""
+    tp = parallel.tensor_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    cp = parallel.context_parallel_size
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp}) x context_parallel_size ({cp}) = "
+            f"{model_parallel}; launch a multiple of {model_parallel} processes")
+    if num_attention_heads is not None and num_attention_heads % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide the number of attention heads "
+            f"({num_attention_heads}); choose a divisor of {num_attention_heads}")
+    if num_query_groups is not None and num_query_groups % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide the number of query groups "
+            f"(key/value heads, {num_query_groups}); choose a divisor of {num_query_groups}")
+    if num_layers is not None:
+        chunks = pp * (parallel.virtual_pipeline_model_parallel_size or 1)
+        if num_layers % chunks:
+            raise ValueError(
+                f"num_layers={num_layers} is not divisible by pipeline_model_parallel_size "
+                f"({pp}) x virtual_pipeline_model_parallel_size "
+                f"({parallel.virtual_pipeline_model_parallel_size or 1}) = {chunks}")
+    return world_size // model_parallel
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(timeout_minutes: int = 30) -> platform.Platform:
+    """Initialise torch.distributed from torchrun's environment, or as a single rank."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    plat = platform.select_platform(local_rank)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=plat.backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    platform.install_megatron_cpu_shim()
+    return plat
+
+
+def init_model_parallel(parallel: ParallelConfig, seed: int,
+                        num_attention_heads: Optional[int] = None,
+                        num_query_groups: Optional[int] = None,
+                        num_layers: Optional[int] = None) -> ParallelContext:
+    """Process group + megatron-core model-parallel groups + model-parallel RNG seeds."""
+    plat = init_process_group()
+    world_size = torch.distributed.get_world_size()
+    validate_parallel_layout(world_size, parallel, num_attention_heads, num_query_groups,
+                             num_layers)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return current_context(plat.device)
+
+
+def current_context(device: Optional[torch.device] = None) -> ParallelContext:
+    from megatron.core import parallel_state as ps
+
+    if device is None:
+        device = platform.select_platform(int(os.environ.get("LOCAL_RANK", "0"))).device
+    return ParallelContext(
+        rank=torch.distributed.get_rank(),
+        world_size=torch.distributed.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        device=device,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        data_parallel_size=ps.get_data_parallel_world_size(),
+        tensor_model_parallel_rank=ps.get_tensor_model_parallel_rank(),
+        pipeline_model_parallel_rank=ps.get_pipeline_model_parallel_rank(),
+        data_parallel_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def destroy() -> None:
+    """Tear down megatron parallel state and the process group (safe to call twice)."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    except ImportError:
+        pass
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def get_rank() -> int:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_rank0() -> bool:
+    return get_rank() == 0
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, log_all_ranks: bool):
+        super().__init__()
+        self.log_all_ranks = log_all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = get_rank()
+        record.rank = rank
+        return self.log_all_ranks or rank == 0 or record.levelno >= logging.ERROR
+
+
+def setup_logging(log_all_ranks: bool = False, level: int = logging.INFO) -> None:
+    """Rank 0 prints INFO and above; other ranks print only errors unless ``log_all_ranks``."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_rlep_handler", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._rlep_handler = True
+    handler.addFilter(_RankFilter(log_all_ranks))
+    handler.setFormatter(logging.Formatter(
+        "[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level)

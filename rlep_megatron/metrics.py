@@ -1,0 +1,130 @@
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step) mirrored to TensorBoard, and
+rank-0 progress bars.
+
+Each record is written with a single ``write`` on a file opened with ``O_APPEND`` and flushed to
+disk, so a crash or a kill leaves at most one incomplete last line; reopening the file drops that
+fragment. ``truncate_after(step)`` removes records past a resumed checkpoint's step so a resumed
+run does not duplicate steps.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any, Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE_NAME = "metrics.jsonl"
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # JSON has no NaN/inf; keep them visible as strings
+    return value
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """Complete records of a metrics file (an incomplete last line is ignored)."""
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            records.append(json.loads(line))
+    return records
+
+
+class MetricsWriter:
+    """Appends step records to ``<output_dir>/metrics.jsonl`` and TensorBoard (rank 0 only)."""
+
+    def __init__(self, output_dir: str, enabled: bool = True, tensorboard: bool = True,
+                 fsync: bool = True):
+        self.path = os.path.join(output_dir, METRICS_FILE_NAME)
+        self.enabled = enabled
+        self.fsync = fsync
+        self._tb = None
+        self._fd: Optional[int] = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self._drop_incomplete_tail()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+
+    def _drop_incomplete_tail(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                logger.warning("%s: dropping an incomplete last record (%d bytes) left by an "
+                               "interrupted run", self.path, len(data) - keep)
+                f.truncate(keep)
+
+    def truncate_after(self, step: int) -> None:
+        """Remove records with ``step`` greater than the given one (used on resume)."""
+        if not self.enabled:
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", -1) <= step]
+        tmp = f"{self.path}.tmp.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in kept:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+        os.close(self._fd)
+        os.replace(tmp, self.path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step)}
+        record.update({key: _jsonable(value) for key, value in values.items()})
+        line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        written = os.write(self._fd, line)
+        if written != len(line):
+            raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
+        if self.fsync:
+            os.fsync(self._fd)
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        self.close()
+        return False
+
+
+def progress(iterable: Optional[Iterable] = None, total: Optional[int] = None, desc: str = "",
+             unit: str = "it", enabled: Optional[bool] = None):
+    """A tqdm bar on rank 0 (rate and ETA); silent elsewhere."""
+    from tqdm.auto import tqdm
+
+    if enabled is None:
+        from rlep_megatron.distributed import is_rank0
+
+        enabled = is_rank0()
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled,
+                dynamic_ncols=True)

