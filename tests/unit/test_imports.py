@@ -1,0 +1,26 @@
+"""``import rlep_megatron`` (and every module in it) must not pull optional heavy packages."""
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+PROBE = """
+import importlib, pkgutil, sys, time
+start = time.time()
+import rlep_megatron
+package_seconds = time.time() - start
+for info in pkgutil.walk_packages(rlep_megatron.__path__, "rlep_megatron."):
+    importlib.import_module(info.name)
+heavy = [m for m in ("vllm", "transformer_engine", "ray", "megatron") if m in sys.modules]
+print(repr((heavy, package_seconds)))
+"""
+
+
+def test_package_import_is_light():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    heavy, package_seconds = eval(out)
+    assert heavy == [], f"imported at import time: {heavy}"
+    assert package_seconds < 1.0

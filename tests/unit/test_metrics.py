@@ -1,0 +1,63 @@
+import json
+import math
+import os
+
+import pytest
+
+from rlep_megatron.metrics import MetricsWriter, progress, read_metrics
+
+pytestmark = pytest.mark.unit
+
+
+def test_appends_one_object_per_step_and_mirrors_tensorboard(tmp_path):
+    with MetricsWriter(str(tmp_path)) as writer:
+        for step in range(3):
+            writer.log(step, {"train/pg_loss": 0.5 * step, "rollout/acc_mean": 0.1})
+        writer.log(3, {"train/grad_norm": float("nan")})
+    lines = open(tmp_path / "metrics.jsonl").read().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
+    assert json.loads(lines[2])["train/pg_loss"] == 1.0
+    assert json.loads(lines[3])["train/grad_norm"] == "nan"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("train/pg_loss")
+    assert [(s.step, s.value) for s in scalars] == [(0, 0.0), (1, 0.5), (2, 1.0)]
+
+
+def test_interrupted_write_is_dropped_and_logging_continues(tmp_path):
+    with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+        writer.log(0, {"a": 1})
+        writer.log(1, {"a": 2})
+    path = tmp_path / "metrics.jsonl"
+    with open(path, "a") as f:
+        f.write('{"step": 2, "a": 3')  # a kill in the middle of a record
+    assert [r["step"] for r in read_metrics(str(path))] == [0, 1]
+    with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+        writer.log(2, {"a": 3})
+    assert [r["a"] for r in read_metrics(str(path))] == [1, 2, 3]
+
+
+def test_truncate_after_resume_step(tmp_path):
+    with MetricsWriter(str(tmp_path), tensorboard=False) as writer:
+        for step in range(5):
+            writer.log(step, {"x": step})
+        writer.truncate_after(2)
+        writer.log(3, {"x": 30})
+    assert [(r["step"], r["x"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [
+        (0, 0), (1, 1), (2, 2), (3, 30)]
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    writer = MetricsWriter(str(tmp_path / "off"), enabled=False)
+    writer.log(0, {"x": 1})
+    writer.close()
+    assert not os.path.exists(tmp_path / "off")
+
+
+def test_progress_is_silent_off_rank0():
+    assert list(progress(range(3), enabled=False)) == [0, 1, 2]
+    assert progress(range(3), enabled=False).disable
+    assert not math.isnan(len(list(progress(range(2), enabled=True))))
