@@ -1,0 +1,156 @@
+"""The token-level clipped policy loss of DAPO/RLEP (paper eq. 3/4, RLEP_SPEC.md section 4).
+
+Per token: ``ratio = exp(logp - old_logp)``; clip-higher
+``L = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` dual-clip
+``L = min(L, -A * clip_c)``.
+
+Aggregation (``loss_agg_mode``):
+
+* ``global_token_mean`` (default): ``sum(L over valid tokens) / global_num_tokens``. A mini-batch
+  is split into micro-batches and data-parallel ranks; each call passes the token count of the
+  *whole* mini-batch (summed across ranks by the caller), so summing the micro-batch losses gives
+  the exact token mean of paper eq. 4.
+* ``reference_micro_batch_mean``: the reference code's flavour: the token mean inside the
+  micro-batch, weighted by ``num_sequences_in_micro_batch / global_num_sequences``; only
+  approximately a global token mean when micro-batches differ in token counts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+LOSS_AGG_MODES = ("global_token_mean", "reference_micro_batch_mean")
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str,
+               global_num_tokens: Optional[float],
+               global_num_sequences: Optional[float]) -> torch.Tensor:
+    if loss_agg_mode == "global_token_mean":
+        denominator = mask.sum() if global_num_tokens is None else global_num_tokens
+        if float(denominator) <= 0:
+            return (per_token * mask).sum() * 0.0
+        return (per_token * mask).sum() / denominator
+    if loss_agg_mode == "reference_micro_batch_mean":
+        weight = 1.0 if global_num_sequences is None else mask.shape[0] / global_num_sequences
+        return _masked_mean(per_token, mask) * weight
+    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r, with log r = logp - ref_logp.
+    k1 and k3 are unbiased; k3 is non-negative.
+    """
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.pow(2)
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1.0 + log_ratio
+    raise ValueError(f"kl estimator must be one of k1, k2, k3; got {estimator!r}")
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str = "global_token_mean",
+                  global_num_tokens: Optional[float] = None,
+                  global_num_sequences: Optional[float] = None) -> torch.Tensor:
+    """Aggregated entropy (to subtract, times a coefficient, from the loss)."""
+    return _aggregate(entropy, mask.to(entropy.dtype), loss_agg_mode, global_num_tokens,
+                      global_num_sequences)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
+                clip_c: float = 10.0, *, loss_agg_mode: str = "global_token_mean",
+                global_num_tokens: Optional[float] = None,
+                global_num_sequences: Optional[float] = None,
+                is_replay: Optional[torch.Tensor] = None,
+                ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
+                kl_estimator: str = "k3", entropy: Optional[torch.Tensor] = None,
+                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss of one micro-batch.
+
+    Args:
+        logp: ``[batch, seq]`` log-probs of the response tokens under the current policy.
+        old_logp: ``[batch, seq]`` log-probs under the policy that is being improved upon
+            (recomputed before the update; replays start at ratio 1).
+        advantages: ``[batch]`` (broadcast to every token) or ``[batch, seq]``.
+        mask: ``[batch, seq]`` 1 for response tokens, 0 for padding.
+        clip_low, clip_high, clip_c: eps_low, eps_high and the dual-clip constant c.
+        loss_agg_mode: see the module docstring.
+        global_num_tokens: valid tokens of the whole mini-batch across micro-batches and ranks
+            (``global_token_mean``); ``None`` uses this micro-batch's count.
+        global_num_sequences: sequences of the whole mini-batch (``reference_micro_batch_mean``).
+        is_replay: ``[batch]`` bool, True for replayed responses; adds ``/fresh`` and
+            ``/replay`` splits of the metrics.
+        ref_logp, kl_coef, kl_estimator: optional KL penalty (off when ``kl_coef`` is 0).
+        entropy, entropy_coef: optional entropy bonus ``[batch, seq]`` (off when 0).
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss to backpropagate and float metrics computed over
+        the valid tokens of this micro-batch (``num_tokens`` weights them when averaging).
+    """
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must have the same shape")
+    if advantages.dim() == logp.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.to(logp.dtype).expand_as(logp)
+    mask = mask.to(logp.dtype)
+
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_clip_higher = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = torch.minimum(loss_clip_higher, -advantages * clip_c)
+    negative = advantages < 0
+    per_token = torch.where(negative, loss_dual, loss_clip_higher)
+
+    pg_loss = _aggregate(per_token, mask, loss_agg_mode, global_num_tokens, global_num_sequences)
+    loss = pg_loss
+    kl_value = None
+    if kl_coef != 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_coef != 0 needs ref_logp")
+        kl_value = _aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, loss_agg_mode,
+                              global_num_tokens, global_num_sequences)
+        loss = loss + kl_coef * kl_value
+    if entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs entropy")
+        loss = loss - entropy_coef * entropy_bonus(entropy, mask, loss_agg_mode,
+                                                   global_num_tokens, global_num_sequences)
+
+    with torch.no_grad():
+        clip_active = (loss_clipped > loss_unclipped).to(logp.dtype)
+        flags = {
+            "pg_clipfrac": clip_active,
+            "pg_clipfrac_low": clip_active * (ratio < 1.0),
+            "pg_clipfrac_high": clip_active * (ratio > 1.0),
+            "pg_clipfrac_dual": (negative & (loss_dual < loss_clip_higher)).to(logp.dtype),
+            "ratio_mean": ratio,
+            "approx_kl": -log_ratio,
+        }
+        metrics = {"pg_loss": float(pg_loss.detach())}
+        if kl_value is not None:
+            metrics["kl"] = float(kl_value.detach())
+        groups = {"": mask}
+        if is_replay is not None:
+            replay_rows = is_replay.to(torch.bool).unsqueeze(-1).to(logp.dtype)
+            groups["/fresh"] = mask * (1 - replay_rows)
+            groups["/replay"] = mask * replay_rows
+        for suffix, group_mask in groups.items():
+            count = float(group_mask.sum())
+            metrics[f"num_tokens{suffix}"] = count
+            for name, values in flags.items():
+                metrics[f"{name}{suffix}"] = float(_masked_mean(values, group_mask))
+            valid_ratios = ratio[group_mask > 0]
+            metrics[f"ratio_max{suffix}"] = float(valid_ratios.max()) if count else 0.0
+    return loss, metrics

@@ -1,0 +1,14 @@
+"""Rule rewards (DAPO rule, math-verify), overlong shaping and the scorer pool.
+
+``compute_score(data_source, solution_str, ground_truth) -> {"score", "acc", "pred"}`` is the
+verl-compatible entry point; ``ScorerPool`` scores batches in worker processes with a hard
+per-answer timeout.
+"""
+from rlep_megatron.reward.pool import (RayScorerPool, ScoreRequest, ScorerPool,
+                                       make_scorer_pool)
+from rlep_megatron.reward.rules import (compute_score, known_data_sources, register_rule,
+                                        rule_for)
+from rlep_megatron.reward.shaping import overlong_penalty
+
+__all__ = ["compute_score", "register_rule", "known_data_sources", "rule_for",
+           "overlong_penalty", "ScorerPool", "RayScorerPool", "ScoreRequest", "make_scorer_pool"]

@@ -1,0 +1,284 @@
+"""Scores a batch of responses in parallel worker processes with a hard per-answer timeout.
+
+Rule rewards can hang: sympy inside math-verify can spend minutes on a power tower, and
+math-verify's own timeout relies on ``signal.alarm``, which does not protect threads. So the
+limit is enforced from outside: each worker process publishes, in shared memory, which answer
+it is scoring and since when; the parent kills a worker whose current answer has run past
+``timeout_s``, records that answer as ``score -1, timed_out``, re-queues the rest of the
+worker's chunk and starts a replacement. No hang can stall a step and no process is leaked
+(workers are daemonic and ``close()`` joins them).
+
+Backends: ``local`` (this class, the default) and ``ray`` (:class:`RayScorerPool`, for spreading
+scoring over many CPUs/nodes).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_for_connections
+from typing import Optional, Sequence
+
+from rlep_megatron.reward.rules import compute_score, load_registry, registry_snapshot, rule_for
+
+logger = logging.getLogger(__name__)
+
+TIMED_OUT = {"score": -1.0, "acc": False, "pred": "", "timed_out": True}
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    data_source: str
+    solution_str: str
+    ground_truth: str
+
+
+def _worker_main(conn, progress) -> None:
+    """Worker loop: receive chunks ``(chunk_id, [(index, request), ...])``, reply with results.
+    ``progress[0]`` = index being scored, ``progress[1]`` = its start time (0 when idle)."""
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        chunk_id, items, registry = message
+        load_registry(registry)  # rules registered in the parent after the worker started
+        results = []
+        for index, request in items:
+            progress[0] = index
+            progress[1] = time.monotonic()
+            result = compute_score(request.data_source, request.solution_str,
+                                   request.ground_truth)
+            result["timed_out"] = False
+            results.append((index, result))
+        progress[1] = 0.0
+        conn.send((chunk_id, results))
+
+
+class _Worker:
+    def __init__(self, ctx):
+        self.conn, child_conn = ctx.Pipe()
+        self.progress = ctx.Array("d", [-1.0, 0.0], lock=False)
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, self.progress),
+                                   daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.chunk: Optional[tuple[int, list]] = None
+        self.handed_off = 0.0
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class ScorerPool:
+    """Local worker processes scoring ``ScoreRequest``s with a hard per-answer timeout.
+
+    Usage::
+
+        with ScorerPool(num_workers=2, timeout_s=10) as pool:
+            results = pool.score(requests)   # list of {"score", "acc", "pred", "timed_out"}
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, max_chunk: int = 256):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.max_chunk = max_chunk
+        # spawn: the parent holds torch/OpenMP threads, which fork would copy in a bad state.
+        self._ctx = mp.get_context("spawn")
+        self._workers = [_Worker(self._ctx) for _ in range(num_workers)]
+        self.num_timeouts = 0
+        self._startup_failures = 0
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
+        for request in {r.data_source for r in requests}:
+            rule_for(request)  # unknown data_source: fail here, with the list of known ones
+        results: list[Optional[dict]] = [None] * len(requests)
+        chunk = max(1, min(self.max_chunk, -(-len(requests) // (4 * len(self._workers)))))
+        pending = [list(enumerate(requests))[i:i + chunk] for i in range(0, len(requests), chunk)]
+        pending.reverse()
+        registry = registry_snapshot()
+        next_chunk_id = 0
+        remaining = len(requests)
+        while remaining:
+            for slot, worker in enumerate(self._workers):
+                if worker.chunk is None and pending:
+                    items = pending.pop()
+                    worker.chunk = (next_chunk_id, items)
+                    next_chunk_id += 1
+                    worker.handed_off = time.monotonic()
+                    worker.conn.send((next_chunk_id - 1, items, registry))
+            busy = [w for w in self._workers if w.chunk is not None]
+            ready = wait_for_connections([w.conn for w in busy], timeout=0.05)
+            for worker in busy:
+                if worker.conn in ready:
+                    try:
+                        _, chunk_results = worker.conn.recv()
+                    except (EOFError, OSError):
+                        chunk_results = None
+                    if chunk_results is not None:
+                        for index, result in chunk_results:
+                            results[index] = result
+                        remaining -= len(chunk_results)
+                        worker.chunk = None
+                        self._startup_failures = 0
+                        continue
+                    remaining -= self._replace_crashed(worker, results, pending)
+                    continue
+                started = worker.progress[1]
+                if started and time.monotonic() - started > self.timeout_s:
+                    remaining -= self._handle_timeout(worker, results, pending)
+        return results  # type: ignore[return-value]
+
+    def _handle_timeout(self, worker: _Worker, results: list, pending: list) -> int:
+        stuck_index = int(worker.progress[0])
+        _, items = worker.chunk
+        results[stuck_index] = dict(TIMED_OUT)
+        self.num_timeouts += 1
+        logger.warning("reward: answer %d exceeded %.1fs; scored -1 (timed out), worker "
+                       "restarted", stuck_index, self.timeout_s)
+        rest = [item for item in items if item[0] != stuck_index]
+        if rest:
+            pending.append(rest)
+        self._restart(worker)
+        return 1
+
+    def _replace_crashed(self, worker: _Worker, results: list, pending: list) -> int:
+        """A worker died (segfault, OOM kill). The answer it was scoring is scored -1 so a
+        crashing input cannot loop forever; the rest of its chunk is re-queued."""
+        _, items = worker.chunk
+        started = worker.progress[1] > 0 and int(worker.progress[0]) in {i for i, _ in items}
+        exitcode = worker.process.exitcode
+        if not started:
+            # died before scoring anything: a broken worker environment, not a bad input
+            self._startup_failures += 1
+            if self._startup_failures > 3:
+                self.close()
+                raise RuntimeError(
+                    f"reward scorer workers keep dying at start (exit code {exitcode}); run "
+                    "`python -c 'import rlep_megatron.reward'` to see the import error")
+            pending.append(items)
+            self._restart(worker)
+            return 0
+        crashed_index = int(worker.progress[0])
+        logger.warning("reward: scorer worker died (exit code %s) on answer %d; scored -1",
+                       exitcode, crashed_index)
+        results[crashed_index] = {"score": -1.0, "acc": False, "pred": "", "timed_out": False,
+                                  "crashed": True}
+        rest = [item for item in items if item[0] != crashed_index]
+        if rest:
+            pending.append(rest)
+        self._restart(worker)
+        return 1
+
+    def _restart(self, worker: _Worker) -> None:
+        worker.kill()
+        replacement = _Worker(self._ctx)
+        index = self._workers.index(worker)
+        self._workers[index] = replacement
+
+    def close(self) -> None:
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+        self._workers = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        self.close()
+        return False
+
+
+def _ray_score_one(request: ScoreRequest) -> dict:
+    result = compute_score(request.data_source, request.solution_str, request.ground_truth)
+    result["timed_out"] = False
+    return result
+
+
+class RayScorerPool:
+    """Scoring as Ray tasks (many CPUs / nodes). A task past ``timeout_s`` is force-cancelled
+    (its worker process is killed) and scored -1 with ``timed_out``."""
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, ray_address: str = ""):
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=ray_address or None, num_cpus=None if ray_address else num_workers,
+                     include_dashboard=False, log_to_driver=False)
+        self._ray = ray
+        self._remote = ray.remote(num_cpus=1, max_retries=0)(_ray_score_one)
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.num_timeouts = 0
+
+    def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
+        for source in {r.data_source for r in requests}:
+            rule_for(source)
+        ray = self._ray
+        results: list[Optional[dict]] = [None] * len(requests)
+        queue = list(range(len(requests)))
+        queue.reverse()
+        running: dict = {}
+        while queue or running:
+            while queue and len(running) < 4 * self.num_workers:
+                index = queue.pop()
+                running[self._remote.remote(requests[index])] = (index, None)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=0.05)
+            for ref in ready:
+                index, _ = running.pop(ref)
+                try:
+                    results[index] = ray.get(ref)
+                except Exception:
+                    results[index] = {"score": -1.0, "acc": False, "pred": "",
+                                      "timed_out": False}
+            now = time.monotonic()
+            for ref, (index, started) in list(running.items()):
+                if started is None:
+                    # the clock starts when the task is first seen running (not queued)
+                    running[ref] = (index, now)
+                elif now - started > self.timeout_s:
+                    ray.cancel(ref, force=True)
+                    running.pop(ref)
+                    results[index] = dict(TIMED_OUT)
+                    self.num_timeouts += 1
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        self.close()
+        return False
+
+
+def make_scorer_pool(backend: str, num_workers: int, timeout_s: float):
+    """The scorer for ``reward.backend``: ``local`` (default) or ``ray``."""
+    if backend == "local":
+        return ScorerPool(num_workers=num_workers, timeout_s=timeout_s)
+    if backend == "ray":
+        return RayScorerPool(num_workers=num_workers, timeout_s=timeout_s)
+    raise ValueError(f"reward.backend must be 'local' or 'ray', got {backend!r}")
