@@ -1,0 +1,92 @@
+"""Evaluation metrics over k sampled answers per question, grouped per ``data_source``
+(RLEP_SPEC.md section 5): ``mean@k``, ``maj@k``, ``best@k`` (bootstrap) and unbiased ``pass@k``.
+
+A question's samples are given as parallel lists of correctness flags and extracted answers.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from math import comb
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class QuestionSamples:
+    data_source: str
+    correct: Sequence[bool]
+    """``[n]`` correctness of each sampled answer."""
+    preds: Sequence[str]
+    """``[n]`` extracted (normalised) answer of each sample, for majority voting."""
+
+
+def mean_at_k(correct: Sequence[bool]) -> float:
+    """Average accuracy of the samples."""
+    return float(np.mean(np.asarray(correct, dtype=np.float64))) if len(correct) else 0.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: ``1 - C(n-c, k) / C(n, k)``."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def maj_at_k(correct: Sequence[bool], preds: Sequence[str]) -> float:
+    """1 if the most frequent extracted answer is correct (ties: the earliest to appear)."""
+    if not preds:
+        return 0.0
+    counts = Counter(preds)
+    top = max(counts.values())
+    winner = next(p for p in preds if counts[p] == top)
+    return float(any(ok for ok, p in zip(correct, preds) if p == winner))
+
+
+def best_at_k(correct: Sequence[bool], k: int, num_bootstrap: int = 1000, seed: int = 0) -> float:
+    """Expected best accuracy of k answers drawn with replacement from the n samples,
+    estimated with ``num_bootstrap`` resamples."""
+    values = np.asarray(correct, dtype=np.float64)
+    if values.size == 0:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, values.size, size=(num_bootstrap, k))
+    return float(values[picks].max(axis=1).mean())
+
+
+def evaluate_samples(questions: Sequence[QuestionSamples], k: int, num_bootstrap: int = 1000,
+                     seed: int = 0) -> dict[str, dict[str, float]]:
+    """``{data_source: {"mean@k", "maj@k", "best@k", "pass@k", "num_questions"}}``, each the
+    average over that source's questions."""
+    per_source: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for q in questions:
+        if len(q.correct) != len(q.preds):
+            raise ValueError("correct and preds must have the same length")
+        n, c = len(q.correct), int(sum(bool(x) for x in q.correct))
+        per_source[q.data_source].append({
+            f"mean@{k}": mean_at_k(q.correct),
+            f"maj@{k}": maj_at_k(q.correct, q.preds),
+            f"best@{k}": best_at_k(q.correct, k, num_bootstrap, seed),
+            f"pass@{k}": pass_at_k(n, c, k),
+        })
+    report = {}
+    for source, rows in sorted(per_source.items()):
+        report[source] = {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}
+        report[source]["num_questions"] = len(rows)
+    return report
+
+
+def format_table(report: dict[str, dict[str, float]]) -> str:
+    """A fixed-width table of an ``evaluate_samples`` report."""
+    if not report:
+        return "(no questions)"
+    metrics = [key for key in next(iter(report.values())) if key != "num_questions"]
+    header = ["data_source", "questions"] + metrics
+    lines = [header] + [[source, str(int(values["num_questions"]))]
+                        + [f"{100 * values[m]:.2f}" for m in metrics]
+                        for source, values in report.items()]
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines)

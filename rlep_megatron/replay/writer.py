@@ -1,0 +1,56 @@
+"""Writes an experience pool in the RLEP training-file schema and summarises it.
+
+The output is the training rows themselves with ``reward_model.candidates`` filled in (one row
+per question), so RLEP's released files and ours are interchangeable. Writes are atomic.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+from rlep_megatron.data.schema import PromptRows, rows_to_table, write_table_atomic
+
+
+def pool_rows(questions: PromptRows, candidates: Sequence[Sequence[str]],
+              min_correct: int = 1) -> PromptRows:
+    """Rows of ``questions`` with their candidates; questions with fewer than ``min_correct``
+    non-empty answers are dropped (RLEP_SPEC.md section 1: at least 2)."""
+    keep = []
+    for row, answers in enumerate(candidates):
+        answers = [a for a in answers if a and a.strip()]
+        if len(answers) >= min_correct:
+            keep.append((row, answers))
+    out = questions.select([row for row, _ in keep])
+    out.candidates = [answers for _, answers in keep]
+    return out
+
+
+def pool_stats(rows: PromptRows, tokenizer=None) -> dict:
+    counts = [len(c or []) for c in rows.candidates]
+    texts = [t for c in rows.candidates for t in (c or [])]
+    stats = {
+        "questions": len(rows),
+        "answers": sum(counts),
+        "answers_per_question_mean": sum(counts) / max(1, len(counts)),
+        "answers_per_question_min": min(counts, default=0),
+        "answers_per_question_max": max(counts, default=0),
+        "answer_chars_mean": sum(len(t) for t in texts) / max(1, len(texts)),
+    }
+    if tokenizer is not None and texts:
+        lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        stats["answer_tokens_mean"] = sum(lengths) / len(lengths)
+    return stats
+
+
+def write_pool(rows: PromptRows, path: str, stats_path: Optional[str] = None,
+               tokenizer=None) -> dict:
+    """Write the pool parquet (and a JSON stats summary next to it) atomically."""
+    write_table_atomic(rows_to_table(rows, with_candidates=True), path)
+    stats = pool_stats(rows, tokenizer)
+    stats_path = stats_path or os.path.splitext(path)[0] + ".stats.json"
+    tmp = f"{stats_path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(stats, f, indent=2, sort_keys=True)
+    os.replace(tmp, stats_path)
+    return stats

@@ -1,0 +1,115 @@
+"""The experience pool: draws as RLEP_SPEC.md section 3.4 defines them, tokenisation, the
+writer's schema, atomicity and statistics."""
+import json
+import os
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlep_megatron.data import PromptRows, read_prompt_file
+from rlep_megatron.replay import (REPLAY, ExperiencePool, ReplaySampler, pool_rows, pool_stats,
+                                  tokenize_replays, write_pool)
+
+pytestmark = pytest.mark.unit
+
+
+def rows_with(candidates):
+    rows = PromptRows()
+    for i, cands in enumerate(candidates):
+        rows.data_source.append("math_dapo")
+        rows.messages.append([{"role": "user", "content": f"q{i}"}])
+        rows.ground_truth.append(str(i))
+        rows.candidates.append(cands)
+        rows.index.append(str(i))
+    return rows
+
+
+def msg(i):
+    return [{"role": "user", "content": f"q{i}"}]
+
+
+def test_draw_rules():
+    pool = ExperiencePool.from_rows(rows_with([
+        ["a", "b", "c", "d", "e"],  # more than M: M distinct, uniformly
+        ["x", "y"],                 # exactly M: all, in stored order
+        ["only"],                   # fewer than M: all of them
+        None,                       # no pool: no replays
+        ["", "  ", "real"],         # empty texts are dropped, never an empty slot
+    ]))
+    sampler = ReplaySampler(pool, num_replays_per_prompt=2, seed=0)
+    assert sampler.draw(msg(1)) == ["x", "y"]
+    assert sampler.draw(msg(2)) == ["only"]
+    assert sampler.draw(msg(3)) == []
+    assert sampler.draw(msg(4)) == ["real"]
+    assert sampler.draw([{"role": "user", "content": "unknown"}]) == []
+    draws = [tuple(sampler.draw(msg(0))) for _ in range(3000)]
+    assert all(len(set(d)) == 2 for d in draws)  # without replacement
+    counts = Counter(text for d in draws for text in d)
+    assert set(counts) == set("abcde")
+    for text in "abcde":  # uniform: each text in 2/5 of draws
+        assert counts[text] / 3000 == pytest.approx(0.4, abs=0.04)
+    assert ReplaySampler(pool, 0, seed=0).draw(msg(0)) == []
+
+
+def test_draws_are_reproducible_and_resumable():
+    pool = ExperiencePool.from_rows(rows_with([list("abcdefgh")]))
+    straight = ReplaySampler(pool, 3, seed=5)
+    expected = [straight.draw(msg(0)) for _ in range(8)]
+    first = ReplaySampler(pool, 3, seed=5)
+    got = [first.draw(msg(0)) for _ in range(4)]
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = ReplaySampler(pool, 3, seed=5)
+    resumed.load_state_dict(state)
+    got += [resumed.draw(msg(0)) for _ in range(4)]
+    assert got == expected
+    assert [ReplaySampler(pool, 3, seed=6).draw(msg(0)) for _ in range(8)] != expected
+
+
+def test_tokenize_replays_appends_eos_and_truncates(tiny_qwen2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir, local_files_only=True)
+    eos = tokenizer.eos_token_id
+    text = "2+3=5\nAnswer: 5"
+    replay = tokenize_replays([text], tokenizer, max_response_tokens=100)[0]
+    assert replay.token_ids == list(text.encode()) + [eos]
+    assert replay.source == REPLAY and replay.text == text
+    assert tokenizer.decode(replay.token_ids[:-1]) == text
+    short = tokenize_replays([text], tokenizer, max_response_tokens=6)[0]
+    assert short.token_ids == list(text.encode())[:6]
+
+
+def test_writer_schema_round_trip_and_stats(tmp_path, tiny_qwen2_dir):
+    from transformers import AutoTokenizer
+
+    questions = rows_with([None, None, None])
+    rows = pool_rows(questions, [["Answer: 0", "so\nAnswer: 0"], ["Answer: 1"], []],
+                     min_correct=2)
+    assert rows.ground_truth == ["0"]  # fewer than min_correct answers: dropped
+    path = str(tmp_path / "pool.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir, local_files_only=True)
+    stats = write_pool(rows, path, tokenizer=tokenizer)
+    schema = pq.read_schema(path)
+    assert schema.field("reward_model").type == pa.struct([
+        ("ground_truth", pa.string()), ("style", pa.string()),
+        ("candidates", pa.list_(pa.string()))])
+    again = read_prompt_file(path)
+    assert again.candidates == [["Answer: 0", "so\nAnswer: 0"]]
+    assert ExperiencePool.from_rows(again).get(msg(0)) == ["Answer: 0", "so\nAnswer: 0"]
+    assert stats == json.load(open(tmp_path / "pool.stats.json"))
+    assert stats["questions"] == 1 and stats["answers"] == 2
+    assert stats["answers_per_question_mean"] == 2.0
+    assert stats["answer_tokens_mean"] == pytest.approx((9 + 12) / 2)
+    assert sorted(os.listdir(tmp_path)) == ["pool.parquet", "pool.stats.json"]
+
+
+def test_pool_that_matches_no_training_question_is_an_error():
+    pool = ExperiencePool.from_rows(rows_with([["Answer: 1"]]))
+    other = rows_with([None])
+    other.messages[0] = [{"role": "user", "content": "a different question"}]
+    with pytest.raises(ValueError, match="none of them is a question of the training files"):
+        pool.check_matches(other, "pool.parquet")
+    pool.check_matches(rows_with([None]), "pool.parquet")
+    assert pool_stats(rows_with([["a"], ["b", "c"]]))["answers_per_question_max"] == 2
