@@ -223,7 +223,8 @@ class RayScorerPool:
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, ray_address: str = ""):
         import ray
 
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(address=ray_address or None, num_cpus=None if ray_address else num_workers,
                      include_dashboard=False, log_to_driver=False)
         self._ray = ray
@@ -265,7 +266,8 @@ class RayScorerPool:
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
-        return None
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
 
     def __enter__(self):
         return self

@@ -24,3 +24,24 @@ def test_package_import_is_light():
     heavy, package_seconds = eval(out)
     assert heavy == [], f"imported at import time: {heavy}"
     assert package_seconds < 1.0
+
+
+PURE_PACKAGES = ("algo", "reward", "replay", "data")
+
+
+def test_pure_packages_do_not_touch_distributed_state():
+    """algo/, reward/, replay/, data/ are pure (STYLE.md 4): no torch.distributed, no Megatron."""
+    import os
+    import re
+
+    import rlep_megatron
+
+    root = os.path.dirname(rlep_megatron.__file__)
+    for package in PURE_PACKAGES:
+        for name in os.listdir(os.path.join(root, package)):
+            if name.endswith(".py"):
+                source = open(os.path.join(root, package, name)).read()
+                uses = re.findall(r"torch\.distributed\.\w|import torch\.distributed|"
+                                  r"from torch\.distributed|import megatron|from megatron\b",
+                                  source)
+                assert not uses, f"{package}/{name}: {uses}"

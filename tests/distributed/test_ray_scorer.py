@@ -1,0 +1,24 @@
+"""The Ray scorer backend: a hanging answer is cancelled at the timeout, the rest are scored."""
+import time
+
+import pytest
+
+from rlep_megatron.reward import ScoreRequest, make_scorer_pool
+
+pytestmark = pytest.mark.distributed
+
+
+def test_ray_pool_times_out_a_hang():
+    pytest.importorskip("ray")
+    tower = "\\boxed{" + "9^{" * 12 + "9" + "}" * 12 + "}"
+    requests = [ScoreRequest("math_dapo", f"Answer: {i}", str(i if i % 2 else -1))
+                for i in range(40)]
+    requests.insert(10, ScoreRequest("math_verify", tower, "1"))
+    with make_scorer_pool("ray", num_workers=2, timeout_s=3.0) as pool:
+        start = time.monotonic()
+        results = pool.score(requests)
+        elapsed = time.monotonic() - start
+    assert elapsed < 3.0 + 2.0
+    assert results[10]["timed_out"] and results[10]["score"] == -1.0
+    others = results[:10] + results[11:]
+    assert [r["acc"] for r in others] == [bool(i % 2) for i in range(40)]
