@@ -10,6 +10,9 @@ CUDA assumptions hold on CPU:
   ``megatron.core`` module gets a proxy in place of its ``torch`` global: the proxy forwards
   everything to torch except ``torch.cuda`` (answered by CPU equivalents) and the tensor factory
   functions (``device="cuda"`` becomes ``cpu``).
+* a few megatron methods call ``tensor.cuda()`` (e.g. syncing tied embeddings between the first
+  and last pipeline stage); :data:`_METHODS_USING_TENSOR_CUDA` run with ``Tensor.cuda`` as the
+  identity for the duration of the call only.
 * megatron's CUDA RNG tracker is replaced by :class:`CpuRNGStatesTracker`, which keeps its own
   ``torch.Generator`` states per name; mapping the tracker onto the global CPU generator makes
   megatron warn "CPU RNG state changed within GPU RNG context" and couples the streams.
@@ -19,6 +22,7 @@ The shim is active only when CUDA is absent (:func:`cuda_available` is false) an
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -294,6 +298,27 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer_state)
 
 
+# (module, class, method) of megatron code that moves tensors with ``tensor.cuda()``.
+_METHODS_USING_TENSOR_CUDA = (
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule",
+     "setup_embeddings_and_output_layer"),
+)
+
+
+def _tensor_cuda_is_identity(method):
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *_a, **_k: self
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    wrapped._rlep_cpu_shim = True
+    return wrapped
+
+
 def _megatron_modules():
     for package_name in _MEGATRON_PACKAGES:
         try:
@@ -326,6 +351,11 @@ def install_megatron_cpu_shim() -> bool:
         if getattr(module, "torch", None) is torch:
             module.torch = proxy
             patched += 1
+    for module_name, class_name, method_name in _METHODS_USING_TENSOR_CUDA:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        method = getattr(cls, method_name)
+        if not getattr(method, "_rlep_cpu_shim", False):
+            setattr(cls, method_name, _tensor_cuda_is_identity(method))
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()

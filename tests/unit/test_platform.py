@@ -84,3 +84,23 @@ def test_rng_tracker_rejects_duplicates_and_unknown_names():
     with tracker.fork("a"):
         again = torch.rand(5)
     assert torch.equal(again, torch.rand(5, generator=torch.Generator().manual_seed(1)))
+
+
+@needs_cpu_only
+def test_tensor_cuda_is_identity_only_inside_wrapped_megatron_methods():
+    platform.install_megatron_cpu_shim()
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original_cuda = torch.Tensor.cuda
+    assert getattr(LanguageModule.setup_embeddings_and_output_layer, "_rlep_cpu_shim", False)
+    seen = {}
+
+    def probe(self):
+        seen["moved"] = torch.ones(2).cuda()  # would raise without CUDA outside the shim
+
+    wrapped = platform._tensor_cuda_is_identity(probe)
+    wrapped(None)
+    assert seen["moved"].device.type == "cpu"
+    assert torch.Tensor.cuda is original_cuda
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.ones(1).cuda()

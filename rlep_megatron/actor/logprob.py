@@ -1,0 +1,70 @@
+"""Per-token log-probs and entropy from vocab-parallel logits, without gathering the vocabulary.
+
+Each tensor-parallel rank holds logits for its slice ``[start, end)`` of the (padded)
+vocabulary. Log-softmax needs the max and the sum of exponentials over the whole vocabulary:
+they are reduced across the TP group (a max, then sums); the target logit is picked on the rank
+that owns it and summed. Memory per rank is O(tokens x vocab / TP). Padded vocabulary entries
+(ids >= the real vocabulary size) are masked to -inf, so they never take probability mass.
+
+The sums go through megatron's autograd-aware all-reduce (forward: sum over TP; backward:
+identity), which gives every rank the exact gradient of its own logits because all TP ranks
+compute the same loss from the reduced values.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return tensor
+    return reduce_from_tensor_model_parallel_region(tensor, group=group)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, real_vocab_size: int,
+                            tp_rank: int = 0, tp_group=None, temperature: float = 1.0,
+                            with_entropy: bool = False
+                            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-prob of ``targets`` (and optionally the entropy) under ``softmax(logits / T)``.
+
+    Args:
+        logits: ``[..., vocab_shard]`` this TP rank's slice of the padded vocabulary.
+        targets: ``[...]`` global token ids.
+        real_vocab_size: ids at or above it are padding and masked out.
+        tp_rank, tp_group: this rank's index and the tensor-parallel process group (None or a
+            group of one for TP=1).
+        temperature: logits are divided by it (the sampling temperature of the rollout).
+
+    Returns:
+        ``(logp [...], entropy [...] or None)`` in float32.
+    """
+    shard = logits.shape[-1]
+    start = tp_rank * shard
+    scaled = logits.float() / temperature
+    vocab_ids = torch.arange(start, start + shard, device=logits.device)
+    if start + shard > real_vocab_size:
+        scaled = scaled.masked_fill(vocab_ids >= real_vocab_size, float("-inf"))
+    with torch.no_grad():
+        max_logit = scaled.max(dim=-1, keepdim=True).values
+        if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
+            torch.distributed.all_reduce(max_logit, op=torch.distributed.ReduceOp.MAX,
+                                         group=tp_group)
+    shifted = scaled - max_logit
+    exp = torch.exp(shifted)
+    sum_exp = _reduce_sum(exp.sum(dim=-1), tp_group)
+    local_target = targets - start
+    owned = (local_target >= 0) & (local_target < shard)
+    picked = torch.gather(shifted, -1, local_target.clamp(0, shard - 1).unsqueeze(-1))[..., 0]
+    target_logit = _reduce_sum(torch.where(owned, picked, torch.zeros_like(picked)), tp_group)
+    log_sum_exp = torch.log(sum_exp)
+    logp = target_logit - log_sum_exp
+    entropy = None
+    if with_entropy:
+        # H = log Z - E_p[shifted]; masked entries contribute exp(-inf) * -inf -> use where
+        weighted = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp)).sum(dim=-1)
+        entropy = log_sum_exp - _reduce_sum(weighted, tp_group) / sum_exp
+    return logp, entropy

@@ -1,0 +1,167 @@
+"""HF ``config.json`` -> megatron-core ``TransformerConfig`` + layer spec -> ``GPTModel`` chunks
+for this rank, and loading HF safetensors into them at any TP/PP layout.
+
+TransformerEngine's layer spec is used when TE is importable on a GPU, megatron-core's local
+spec otherwise. Parameters are bfloat16 on GPU and float32 on CPU unless ``params_dtype`` says
+otherwise. The vocabulary is padded to a multiple of the TP size; padded logits are masked by
+:mod:`rlep_megatron.actor.logprob`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from rlep_megatron import platform
+from rlep_megatron.checkpoint import architecture_for, layout, llama_family
+from rlep_megatron.checkpoint.hf_io import SafetensorsReader, load_hf_config
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ActorModelInfo:
+    """What the rest of the actor needs to know about the built model."""
+
+    hf_config: dict
+    dims: layout.GPTDims
+    padded_vocab_size: int
+    params_dtype: torch.dtype
+    use_te: bool
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if platform.cuda_available() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"model.params_dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: int,
+                       pipeline_model_parallel_size: int, params_dtype: torch.dtype,
+                       virtual_pipeline_model_parallel_size: Optional[int] = None,
+                       recompute_activations: bool = False, use_te: bool = False):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    arch = architecture_for(hf_config)
+    dims = llama_family.dims_from_config(hf_config)
+    on_gpu = platform.cuda_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
+        kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu, perform_initialization=False,
+        # fused kernels are CUDA-only; on CPU use megatron's plain-torch paths
+        bias_dropout_fusion=on_gpu, masked_softmax_fusion=on_gpu, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+    )
+    if recompute_activations:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    kwargs.update(arch.transformer_kwargs(hf_config))
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
+                recompute_activations: bool = False) -> tuple[list[torch.nn.Module],
+                                                              ActorModelInfo]:
+    """GPTModel chunks of this rank (one per virtual pipeline stage), weights uninitialised."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    arch = architecture_for(hf_config)
+    dims = llama_family.dims_from_config(hf_config)
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    use_te = platform.transformer_engine_available()
+    config = transformer_config(hf_config, tp, pp, params_dtype, vpp, recompute_activations,
+                                use_te)
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import \
+            get_gpt_layer_with_transformer_engine_spec
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    padded = layout.padded_vocab_size(dims.vocab_size, tp)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunk = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=padded,
+            max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings")),
+            position_embedding_type="rope", vp_stage=stage, **arch.model_kwargs(hf_config))
+        chunks.append(chunk.to(_current_device()))
+    info = ActorModelInfo(hf_config=hf_config, dims=dims, padded_vocab_size=padded,
+                          params_dtype=params_dtype, use_te=use_te)
+    return chunks, info
+
+
+def _current_device() -> torch.device:
+    if platform.cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def iter_params_with_rules(chunk: torch.nn.Module, rules: list[layout.ParamRule]):
+    """``(param, rule, global_layer)`` for every parameter of a chunk; global layer numbers come
+    from megatron's own ``layer_number`` (1-based), so PP and VPP offsets are megatron's."""
+    by_name = layout.rule_index(rules)
+    layer_numbers = ([layer.layer_number - 1 for layer in chunk.decoder.layers]
+                     if hasattr(chunk, "decoder") else [])
+    for name, param in chunk.named_parameters():
+        template, local = layout.split_layer(layout.canonical_name(name))
+        rule = by_name.get(template)
+        if rule is None:
+            raise ValueError(f"no HF mapping for megatron parameter {name!r}")
+        yield name, param, rule, (layer_numbers[local] if local is not None else None)
+
+
+def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str, info: ActorModelInfo) -> None:
+    """Copy HF safetensors into this rank's shards, one tensor at a time."""
+    from megatron.core import parallel_state as ps
+
+    reader = SafetensorsReader(hf_dir)
+    rules = architecture_for(info.hf_config).rules(info.hf_config)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    for chunk in chunks:
+        for name, param, rule, layer in iter_params_with_rules(chunk, rules):
+            hf_names = [n.format(layer=layer) for n in rule.hf_names]
+            tensors = [reader.get(n) for n in hf_names]
+            full = layout.hf_to_full(rule, tensors, info.dims, info.padded_vocab_size)
+            local = layout.shard(rule, full, tp_rank, tp_size)
+            if tuple(local.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: HF tensors {hf_names} give shape "
+                                 f"{tuple(local.shape)} on this rank, the model expects "
+                                 f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(local.to(param.dtype))
+
+
+def build_from_hf(hf_dir: str, params_dtype: str = "auto",
+                  recompute_activations: bool = False):
+    """Build this rank's chunks for an HF checkpoint and load its weights."""
+    hf_config = load_hf_config(hf_dir)
+    chunks, info = build_model(hf_config, resolve_dtype(params_dtype), recompute_activations)
+    load_hf_weights(chunks, hf_dir, info)
+    return chunks, info

@@ -1,0 +1,39 @@
+"""Torchrun program: build the actor from an HF checkpoint at ``--tp/--pp`` and write its
+per-token log-probs (and entropy) of a right-padded batch of different lengths to ``--out``."""
+import argparse
+
+import torch
+
+from rlep_megatron import distributed
+from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
+from rlep_megatron.actor.model import build_from_hf
+from rlep_megatron.checkpoint.hf_io import load_hf_config
+from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
+from rlep_megatron.config import ParallelConfig
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    hf_config = load_hf_config(args.hf_dir)
+    distributed.init_model_parallel(
+        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp),
+        seed=0, num_attention_heads=hf_config["num_attention_heads"],
+        num_query_groups=hf_config["num_key_value_heads"],
+        num_layers=hf_config["num_hidden_layers"])
+    chunks, info = build_from_hf(args.hf_dir, "float32")
+    input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
+    result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2, with_entropy=True)
+    from megatron.core import parallel_state as ps
+
+    if result is not None and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save({"input_ids": input_ids, "lengths": lengths, **result}, args.out)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
