@@ -165,3 +165,17 @@ def build_from_hf(hf_dir: str, params_dtype: str = "auto",
     chunks, info = build_model(hf_config, resolve_dtype(params_dtype), recompute_activations)
     load_hf_weights(chunks, hf_dir, info)
     return chunks, info
+
+
+def load_mcore_weights(chunks: list[torch.nn.Module], mcore_dir: str) -> None:
+    """Load a megatron-core dist checkpoint (any saved layout) into this rank's chunks."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
+        raise FileNotFoundError(f"{mcore_dir} is not a megatron-core dist checkpoint (no "
+                                "metadata.json)")
+    for chunk in chunks:
+        state = dist_checkpointing.load(chunk.sharded_state_dict(), mcore_dir)
+        chunk.load_state_dict(state)

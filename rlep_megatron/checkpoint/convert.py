@@ -1,0 +1,229 @@
+"""HF safetensors <-> megatron-core ``dist_checkpointing`` (torch_dist) conversion.
+
+HF -> Megatron builds the model at TP=1 x PP=1 in this process, fills it from the safetensors
+one tensor at a time (through the same mapping tables as the actor and weight sync), and saves a
+``dist_checkpointing`` checkpoint, which megatron-core loads at any TP/PP. The HF config and
+tokenizer files are copied into ``<out>/hf_config`` so the checkpoint is self-describing.
+
+Megatron -> HF loads that checkpoint at TP=1 x PP=1 and writes HF tensors (sharded with an
+index above ``max_shard_bytes``), plus config and tokenizer files. Parameters keep the dtype of
+``config.json``, so a round trip reproduces every HF tensor bit for bit.
+
+Both write into a temporary directory next to the output and rename it when complete: a failed
+or interrupted conversion leaves no partial output.
+
+Memory: the model is held once (about the checkpoint size) plus the tensor in flight; the
+checkpoint writer and the safetensors writer work tensor by tensor from it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+
+from rlep_megatron.checkpoint import architecture_for, layout
+from rlep_megatron.checkpoint.hf_io import INDEX_FILE, SafetensorsReader, load_hf_config
+
+logger = logging.getLogger(__name__)
+
+HF_CONFIG_SUBDIR = "hf_config"
+_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                  "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_dtype(hf_config: dict[str, Any]) -> torch.dtype:
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"config.json dtype {name!r} is not supported; use one of "
+                         f"{sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@contextmanager
+def staged_output(out_dir: str) -> Iterator[str]:
+    """A temporary directory next to ``out_dir``, renamed to it on success, removed on failure.
+    An existing non-empty ``out_dir`` is refused (never overwritten)."""
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"output directory {out_dir} exists and is not empty; choose "
+                              "another --out-dir or remove it")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
+    try:
+        yield staging
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def copy_hf_side_files(src_dir: str, dst_dir: str) -> None:
+    os.makedirs(dst_dir, exist_ok=True)
+    for name in _HF_SIDE_FILES:
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path):
+            shutil.copy2(path, os.path.join(dst_dir, name))
+
+
+def _single_process_model_parallel() -> None:
+    from rlep_megatron import distributed
+    from rlep_megatron.config import ParallelConfig
+
+    distributed.init_model_parallel(ParallelConfig(), seed=0)
+
+
+def _build_tp1(hf_config: dict[str, Any]):
+    from rlep_megatron.actor.model import build_model
+
+    chunks, info = build_model(hf_config, hf_dtype(hf_config))
+    return chunks[0], info
+
+
+def _summary(kind: str, tensors: int, num_bytes: int, seconds: float) -> str:
+    return (f"{kind}: {tensors} tensors, {num_bytes / 1e9:.3f} GB in {seconds:.1f} s "
+            f"({num_bytes / 1e9 / max(seconds, 1e-9):.2f} GB/s)")
+
+
+def convert_hf_to_mcore(hf_dir: str, out_dir: str, show_progress: bool = True) -> str:
+    """HF checkpoint directory -> megatron-core dist checkpoint; returns a summary line."""
+    from megatron.core import dist_checkpointing
+
+    from rlep_megatron.actor.model import iter_params_with_rules
+    from rlep_megatron.metrics import progress
+
+    hf_config = load_hf_config(hf_dir)
+    arch = architecture_for(hf_config)
+    reader = SafetensorsReader(hf_dir)  # fails on missing weights before any work
+    _single_process_model_parallel()
+    start = time.perf_counter()
+    with staged_output(out_dir) as staging:
+        model, info = _build_tp1(hf_config)
+        rules = arch.rules(hf_config)
+        params = list(iter_params_with_rules(model, rules))
+        num_bytes, count = 0, 0
+        for name, param, rule, layer in progress(params, desc="HF -> megatron", unit="tensor",
+                                                 enabled=show_progress):
+            tensors = [reader.get(n.format(layer=layer)) for n in rule.hf_names]
+            for n, tensor in zip(rule.hf_names, tensors):
+                if tensor.dtype != param.dtype:
+                    raise ValueError(f"{n.format(layer=layer)} is {tensor.dtype} but config.json "
+                                     f"says {param.dtype}; fix the config's dtype")
+            full = layout.hf_to_full(rule, tensors, info.dims, info.padded_vocab_size)
+            with torch.no_grad():
+                param.copy_(full)
+            num_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            count += len(tensors)
+        dist_checkpointing.save(model.sharded_state_dict(), staging)
+        copy_hf_side_files(hf_dir, os.path.join(staging, HF_CONFIG_SUBDIR))
+    return _summary("HF -> megatron", count, num_bytes, time.perf_counter() - start)
+
+
+def _resolve_config_dir(mcore_dir: str, hf_config_dir: Optional[str]) -> str:
+    if not os.path.isdir(mcore_dir):
+        raise FileNotFoundError(f"megatron checkpoint directory not found: {mcore_dir}")
+    if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
+        raise FileNotFoundError(f"{mcore_dir} has no metadata.json; is it a megatron-core "
+                                "dist_checkpointing directory?")
+    config_dir = hf_config_dir or os.path.join(mcore_dir, HF_CONFIG_SUBDIR)
+    if not os.path.isfile(os.path.join(config_dir, "config.json")):
+        raise FileNotFoundError(f"no HF config.json in {config_dir}; pass --hf-config-dir with "
+                                "the original HF checkpoint's config and tokenizer")
+    return config_dir
+
+
+def load_mcore_tp1(mcore_dir: str, hf_config: dict[str, Any]):
+    from megatron.core import dist_checkpointing
+
+    model, info = _build_tp1(hf_config)
+    state = dist_checkpointing.load(model.sharded_state_dict(), mcore_dir)
+    model.load_state_dict(state)
+    return model, info
+
+
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[str] = None,
+                        max_shard_bytes: int = 5 * 1024 ** 3, show_progress: bool = True) -> str:
+    """megatron-core dist checkpoint -> HF directory; returns a summary line."""
+    from safetensors.torch import save_file
+
+    from rlep_megatron.actor.model import iter_params_with_rules
+    from rlep_megatron.metrics import progress
+
+    config_dir = _resolve_config_dir(mcore_dir, hf_config_dir)
+    hf_config = load_hf_config(config_dir)
+    arch = architecture_for(hf_config)
+    _single_process_model_parallel()
+    start = time.perf_counter()
+    with staged_output(out_dir) as staging:
+        model, info = load_mcore_tp1(mcore_dir, hf_config)
+        rules = arch.rules(hf_config)
+        tied = bool(hf_config.get("tie_word_embeddings"))
+        writer = _ShardWriter(staging, max_shard_bytes, save_file)
+        num_bytes, count = 0, 0
+        params = list(iter_params_with_rules(model, rules))
+        for name, param, rule, layer in progress(params, desc="megatron -> HF", unit="tensor",
+                                                 enabled=show_progress):
+            if tied and rule.mcore_name == "output_layer.weight":
+                continue  # the HF checkpoint of a tied model has no lm_head
+            for hf_name, tensor in zip(rule.hf_names, layout.full_to_hf(rule, param.detach(),
+                                                                        info.dims)):
+                writer.add(hf_name.format(layer=layer), tensor)
+                num_bytes += tensor.numel() * tensor.element_size()
+                count += 1
+        writer.finish()
+        copy_hf_side_files(config_dir, staging)
+    return _summary("megatron -> HF", count, num_bytes, time.perf_counter() - start)
+
+
+class _ShardWriter:
+    """Writes HF tensors into safetensors shards of at most ``max_shard_bytes``, flushing each
+    shard as soon as it is full; names them and writes the index at the end."""
+
+    def __init__(self, directory: str, max_shard_bytes: int, save_file):
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self.save_file = save_file
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.parts: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.current[name] = tensor.contiguous().clone()
+        self.current_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        part = f"part-{len(self.parts):05d}.safetensors"
+        self.save_file(self.current, os.path.join(self.directory, part), metadata={"format": "pt"})
+        self.parts.append((part, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.current or not self.parts:
+            self._flush()
+        if len(self.parts) == 1:
+            os.replace(os.path.join(self.directory, self.parts[0][0]),
+                       os.path.join(self.directory, "model.safetensors"))
+            return
+        weight_map = {}
+        for index, (part, names) in enumerate(self.parts, start=1):
+            file_name = f"model-{index:05d}-of-{len(self.parts):05d}.safetensors"
+            os.replace(os.path.join(self.directory, part), os.path.join(self.directory, file_name))
+            weight_map.update({name: file_name for name in names})
+        with open(os.path.join(self.directory, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes},
+                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
