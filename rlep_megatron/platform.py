@@ -13,6 +13,8 @@ CUDA assumptions hold on CPU:
 * a few megatron methods call ``tensor.cuda()`` (e.g. syncing tied embeddings between the first
   and last pipeline stage); :data:`_METHODS_USING_TENSOR_CUDA` run with ``Tensor.cuda`` as the
   identity for the duration of the call only.
+* functions that assert CUDA tensor types (gradient clipping) are replaced, in the megatron
+  modules that import them, by CPU versions with the same semantics (:data:`_CPU_FUNCTIONS`).
 * megatron's CUDA RNG tracker is replaced by :class:`CpuRNGStatesTracker`, which keeps its own
   ``torch.Generator`` states per name; mapping the tracker onto the global CPU generator makes
   megatron warn "CPU RNG state changed within GPU RNG context" and couples the streams.
@@ -319,6 +321,28 @@ def _tensor_cuda_is_identity(method):
     return wrapped
 
 
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,
+                                      use_decoupled_grad=False):
+    """megatron's ``clip_grad_by_total_norm_fp32`` without its CUDA type assertion and fused
+    kernel: scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is < 1."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attribute) for p in parameters if getattr(p, attribute, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.detach().mul_(clip_coeff)
+
+
+# (module, function name, CPU replacement), patched in every listed module's namespace.
+_CPU_FUNCTIONS = (
+    (("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer",
+      "megatron.core.optimizer.distrib_optimizer"), "clip_grad_by_total_norm_fp32",
+     _cpu_clip_grad_by_total_norm_fp32),
+)
+
+
 def _megatron_modules():
     for package_name in _MEGATRON_PACKAGES:
         try:
@@ -356,6 +380,11 @@ def install_megatron_cpu_shim() -> bool:
         method = getattr(cls, method_name)
         if not getattr(method, "_rlep_cpu_shim", False):
             setattr(cls, method_name, _tensor_cuda_is_identity(method))
+    for module_names, function_name, replacement in _CPU_FUNCTIONS:
+        for module_name in module_names:
+            module = importlib.import_module(module_name)
+            if hasattr(module, function_name):
+                setattr(module, function_name, replacement)
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()

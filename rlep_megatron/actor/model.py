@@ -64,11 +64,20 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        use_cpu_initialization=not on_gpu, perform_initialization=False,
+        # Initialisation must stay on even though HF weights overwrite it: megatron marks
+        # tensor-parallel shards (param.tensor_model_parallel) only inside its initialisers, and
+        # without the mark the grad norm treats shards of TP ranks > 0 as duplicates.
+        use_cpu_initialization=not on_gpu, perform_initialization=True,
         # fused kernels are CUDA-only; on CPU use megatron's plain-torch paths
         bias_dropout_fusion=on_gpu, masked_softmax_fusion=on_gpu, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+        # micro-batches are cut by a token budget, so their shapes differ; pipeline stages
+        # exchange shapes before activations
+        variable_seq_lengths=True,
+        # megatron refuses variable lengths with the default MoE dispatcher even for dense
+        # models; the dispatcher is unused here
+        moe_token_dispatcher_type="alltoall",
     )
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
@@ -146,6 +155,9 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str, info: ActorModel
     tp_size = ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
         for name, param, rule, layer in iter_params_with_rules(chunk, rules):
+            if rule.tp_dim is not None and tp_size > 1 and not getattr(
+                    param, "tensor_model_parallel", False):
+                raise AssertionError(f"{name} is TP-sharded but not marked tensor_model_parallel")
             hf_names = [n.format(layer=layer) for n in rule.hf_names]
             tensors = [reader.get(n) for n in hf_names]
             full = layout.hf_to_full(rule, tensors, info.dims, info.padded_vocab_size)

@@ -1,0 +1,105 @@
+"""The actor's optimizer: megatron-core DDP wrapping, AdamW (distributed optimizer when the
+backend supports it), linear warmup then constant learning rate, grad-norm clipping, and a step
+that is skipped (and counted) when the grad norm is not finite (RLEP_SPEC.md sections 4, 8).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlep_megatron import platform
+from rlep_megatron.config import OptimConfig
+
+logger = logging.getLogger(__name__)
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool
+             ) -> list[torch.nn.Module]:
+    """megatron-core DDP around each chunk (contiguous grad buffers, DP gradient reduction).
+    Tied embeddings across pipeline stages and DP reductions are finalised by
+    ``finalize_model_grads`` after the backward passes."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer)
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        wrapped.append(DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp_config, module=chunk,
+            disable_bucketing=index > 0))
+    config = wrapped[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    return wrapped
+
+
+@dataclass
+class ActorOptimizer:
+    """Megatron optimizer + warmup-then-constant lr; ``step()`` skips non-finite grad norms."""
+
+    optimizer: object
+    config: OptimConfig
+    num_steps: int = 0
+    num_skipped: int = 0
+
+    def current_lr(self) -> float:
+        warmup = self.config.lr_warmup_steps
+        if warmup and self.num_steps < warmup:
+            return self.config.lr * (self.num_steps + 1) / warmup
+        return self.config.lr
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self, chunks: list[torch.nn.Module]) -> None:
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[bool, float]:
+        """Apply the accumulated gradients; returns (applied, grad_norm before clipping)."""
+        self._set_lr(self.current_lr())
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(grad_norm):
+            self.num_skipped += 1
+            logger.warning("non-finite grad norm (%s): optimizer step skipped (%d so far)",
+                           grad_norm, self.num_skipped)
+            return False, grad_norm
+        if self.config.clip_grad > 0:
+            self.optimizer.clip_grad_norm(self.config.clip_grad)
+        self.optimizer.step_with_ready_grads()
+        self.num_steps += 1
+        return True, grad_norm
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "num_skipped": self.num_skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self.num_skipped = int(state["num_skipped"])
+
+
+def distributed_optimizer_supported() -> bool:
+    """The distributed optimizer reduce-scatters gradients, which gloo does not implement."""
+    return platform.cuda_available()
+
+
+def build_optimizer(chunks: list[torch.nn.Module], config: OptimConfig,
+                    params_dtype: torch.dtype) -> ActorOptimizer:
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    use_distributed = config.use_distributed_optimizer and distributed_optimizer_supported()
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=config.lr, min_lr=0.0, weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+        clip_grad=config.clip_grad, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16, params_dtype=params_dtype,
+        use_distributed_optimizer=use_distributed), chunks)
+    return ActorOptimizer(optimizer=optimizer, config=config)

@@ -1,0 +1,180 @@
+"""One optimizer step of the actor on a mini-batch: micro-batches by a token budget, forward +
+backward through megatron-core's pipeline schedule with the RLEP loss, then the optimizer.
+
+Normalisation (RLEP_SPEC.md section 4): the number of valid response tokens of the whole
+mini-batch is summed over data-parallel ranks once (:func:`global_counts`, the one place where
+this module reduces across ranks) and passed to ``policy_loss``, so the micro-batch losses add
+up to the exact global token mean. Megatron's schedule divides each micro-batch loss by the
+number of micro-batches and its DDP averages gradients over data-parallel ranks; the loss handed
+to megatron is multiplied by both factors so that the gradient is that of the exact global mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from rlep_megatron.actor.logprob import vocab_parallel_logprobs
+from rlep_megatron.actor.model import ActorModelInfo
+from rlep_megatron.actor.optimizer import ActorOptimizer
+from rlep_megatron.algo import policy_loss
+from rlep_megatron.config import AlgoConfig
+
+
+@dataclass
+class TrainBatch:
+    """This data-parallel rank's share of a mini-batch (identical on its TP/PP ranks)."""
+
+    input_ids: torch.Tensor
+    """``[n, seq]`` prompt + response, right-padded."""
+    response_mask: torch.Tensor
+    """``[n, seq]`` 1 where column t is a response token whose log-prob is trained."""
+    old_logp: torch.Tensor
+    """``[n, seq]`` log-probs before the update, aligned like ``sequence_logprobs``."""
+    advantages: torch.Tensor
+    """``[n]`` one advantage per sequence."""
+    is_replay: torch.Tensor
+    """``[n]`` bool, True for replayed pool answers."""
+    ref_logp: Optional[torch.Tensor] = None
+    """``[n, seq]`` reference-policy log-probs (only with a KL term)."""
+
+    def lengths(self) -> torch.Tensor:
+        positions = torch.arange(self.input_ids.shape[1])
+        last = torch.where(self.response_mask > 0, positions, torch.zeros_like(positions))
+        return last.max(dim=1).values + 1
+
+
+def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive rows grouped so that rows x longest row <= ``max_tokens`` (a row longer than
+    the budget goes alone)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row, length in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, length) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def global_counts(batch: TrainBatch) -> tuple[float, float]:
+    """(valid response tokens, sequences) of the mini-batch summed over data-parallel ranks."""
+    from megatron.core import parallel_state as ps
+
+    counts = torch.tensor([float(batch.response_mask.sum()), float(batch.input_ids.shape[0])],
+                          dtype=torch.float64)
+    torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+    return float(counts[0]), float(counts[1])
+
+
+def _micro_batch(batch: TrainBatch, rows: list[int]) -> dict:
+    length = int(batch.lengths()[rows].max())
+    index = torch.tensor(rows)
+    out = {"input_ids": batch.input_ids[index, :length],
+           "position_ids": torch.arange(length).unsqueeze(0).expand(len(rows), -1),
+           "response_mask": batch.response_mask[index, :length].float(),
+           "old_logp": batch.old_logp[index, :length].float(),
+           "advantages": batch.advantages[index].float(),
+           "is_replay": batch.is_replay[index]}
+    if batch.ref_logp is not None:
+        out["ref_logp"] = batch.ref_logp[index, :length].float()
+    return out
+
+
+def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
+                     info: ActorModelInfo, batch: TrainBatch, algo: AlgoConfig,
+                     micro_batch_max_tokens: int, temperature: float = 1.0) -> dict[str, float]:
+    """Forward/backward over the mini-batch and one optimizer step; returns metrics (same on
+    every rank)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(chunks[0].parameters()).device
+    tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    global_tokens, global_sequences = global_counts(batch)
+    groups = split_by_token_budget(batch.lengths().tolist(), micro_batch_max_tokens)
+    micro_batches = [_micro_batch(batch, rows) for rows in groups]
+    # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
+    compensation = len(micro_batches) * ps.get_data_parallel_world_size()
+
+    def forward_step(data_iterator, model):
+        mb = {k: v.to(device) for k, v in next(data_iterator).items()}
+        output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
+
+        def loss_func(logits):
+            logp, entropy = vocab_parallel_logprobs(
+                logits[:, :-1], mb["input_ids"][:, 1:], info.dims.vocab_size, tp_rank,
+                tp_group, temperature, with_entropy=True)
+            zeros = torch.zeros_like(logp[:, :1])
+            logp, entropy = torch.cat([zeros, logp], 1), torch.cat([zeros, entropy], 1)
+            loss, metrics = policy_loss(
+                logp, mb["old_logp"], mb["advantages"], mb["response_mask"],
+                algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c,
+                loss_agg_mode=algo.loss_agg_mode, global_num_tokens=global_tokens,
+                global_num_sequences=global_sequences, is_replay=mb["is_replay"],
+                ref_logp=mb.get("ref_logp"), kl_coef=algo.kl_coef,
+                kl_estimator=algo.kl_estimator, entropy=entropy,
+                entropy_coef=algo.entropy_coef)
+            metrics["entropy_sum"] = float((entropy.detach() * mb["response_mask"]).sum())
+            return loss * compensation, metrics
+
+        return output, loss_func
+
+    optimizer.zero_grad(chunks)
+    iterators = ([iter(micro_batches) for _ in chunks] if len(chunks) > 1
+                 else iter(micro_batches))
+    max_len = max(int(mb["input_ids"].shape[1]) for mb in micro_batches)
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
+        seq_length=max_len, micro_batch_size=max(len(g) for g in groups), forward_only=False)
+    applied, grad_norm = optimizer.step()
+    metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True))
+    metrics.update({"grad_norm": grad_norm, "step_applied": float(applied),
+                    "lr": optimizer.current_lr(), "num_micro_batches": float(len(groups))})
+    return metrics
+
+
+_SUM_KEYS = ("pg_loss", "kl")
+
+
+def _reduce_metrics(outputs: list[dict], is_last_stage: bool) -> dict[str, float]:
+    """Token-weighted means of the micro-batch metrics over micro-batches and DP ranks, computed
+    on the last pipeline stage and broadcast to the whole pipeline."""
+    from megatron.core import parallel_state as ps
+
+    keys = ["pg_loss", "num_tokens", "entropy_sum", "pg_clipfrac", "pg_clipfrac_low",
+            "pg_clipfrac_high", "pg_clipfrac_dual", "ratio_mean", "approx_kl",
+            "num_tokens/fresh", "num_tokens/replay", "pg_clipfrac/fresh", "pg_clipfrac/replay",
+            "ratio_mean/fresh", "ratio_mean/replay", "approx_kl/fresh", "approx_kl/replay"]
+    sums = torch.zeros(len(keys) + 2, dtype=torch.float64)
+    if is_last_stage:
+        for out in outputs:
+            for i, key in enumerate(keys):
+                if key in ("pg_loss", "entropy_sum") or key.startswith("num_tokens"):
+                    sums[i] += out.get(key, 0.0)
+                else:
+                    weight = out.get("num_tokens" + (key[key.index("/"):] if "/" in key else ""),
+                                     0.0)
+                    sums[i] += out.get(key, 0.0) * weight
+            sums[-2] = max(float(sums[-2]), max(out.get("ratio_max", 0.0) for out in outputs))
+    torch.distributed.all_reduce(sums[:-2], group=ps.get_data_parallel_group())
+    torch.distributed.all_reduce(sums[-2:], op=torch.distributed.ReduceOp.MAX,
+                                 group=ps.get_data_parallel_group())
+    last_rank = ps.get_pipeline_model_parallel_last_rank()
+    torch.distributed.broadcast(sums, src=last_rank, group=ps.get_pipeline_model_parallel_group())
+    values = dict(zip(keys, sums.tolist()))
+    result = {"pg_loss": values["pg_loss"], "ratio_max": float(sums[-2]),
+              "entropy": values["entropy_sum"] / max(values["num_tokens"], 1.0)}
+    for key in keys:
+        if key in ("pg_loss", "entropy_sum") or key.startswith("num_tokens"):
+            continue
+        suffix = key[key.index("/"):] if "/" in key else ""
+        result[key] = values[key] / max(values["num_tokens" + suffix], 1.0)
+    result["num_tokens"] = values["num_tokens"]
+    return result

@@ -1,0 +1,87 @@
+"""Torchrun program: one RLEP train step of the actor from an HF checkpoint at ``--tp/--pp``
+(DP = world / (TP x PP)) on a fixed global batch; writes the updated weights (HF names, full
+tensors) and the step metrics to ``--out``."""
+import argparse
+
+import torch
+
+from rlep_megatron import distributed
+from rlep_megatron.actor.export import iter_hf_tensors
+from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
+from rlep_megatron.actor.model import build_from_hf
+from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
+from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
+from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
+
+NUM_SEQUENCES = 8
+
+
+def global_batch():
+    """Prompts + responses of different lengths; advantages of both signs; two replays."""
+    generator = torch.Generator().manual_seed(3)
+    sequences, prompt_lengths = [], []
+    for i in range(NUM_SEQUENCES):
+        prompt = torch.randint(0, 256, (int(torch.randint(3, 7, (1,), generator=generator)),),
+                               generator=generator).tolist()
+        response = torch.randint(0, 256, (int(torch.randint(2, 12, (1,), generator=generator)),),
+                                 generator=generator).tolist()
+        sequences.append(prompt + response)
+        prompt_lengths.append(len(prompt))
+    input_ids, lengths = pad_sequences(sequences, pad_id=256)
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    response_mask = ((positions >= torch.tensor(prompt_lengths)[:, None])
+                     & (positions < lengths[:, None])).float()
+    advantages = torch.randn(NUM_SEQUENCES, generator=generator) * 2
+    is_replay = torch.tensor([i % 4 == 3 for i in range(NUM_SEQUENCES)])
+    noise = torch.randn(input_ids.shape, generator=generator) * 0.3
+    return input_ids, response_mask, advantages, is_replay, noise
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--micro-batch-max-tokens", type=int, default=40)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    ctx = distributed.init_model_parallel(
+        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp),
+        seed=0)
+    chunks, info = build_from_hf(args.hf_dir, "float32")
+    # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise
+    # amplify 1e-9 differences in near-zero gradients to O(lr)
+    optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.1, clip_grad=1.0,
+                            adam_eps=1e-3)
+    chunks = wrap_ddp(chunks, use_distributed_optimizer=False)
+    optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
+
+    input_ids, response_mask, advantages, is_replay, noise = global_batch()
+    # old log-probs: the current policy's, perturbed so ratios leave the clip range
+    old = sequence_logprobs(chunks, info, input_ids, micro_batch_size=NUM_SEQUENCES)
+    from megatron.core import parallel_state as ps
+
+    old_logp = torch.zeros(input_ids.shape) if old is None else old["logp"]
+    torch.distributed.broadcast(old_logp, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    old_logp = old_logp + noise
+    rows = slice(ctx.data_parallel_rank * NUM_SEQUENCES // ctx.data_parallel_size,
+                 (ctx.data_parallel_rank + 1) * NUM_SEQUENCES // ctx.data_parallel_size)
+    batch = TrainBatch(input_ids[rows], response_mask[rows], old_logp[rows], advantages[rows],
+                       is_replay[rows])
+    metrics = train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(),
+                               args.micro_batch_max_tokens)
+    weights = dict(iter_hf_tensors(chunks, info))
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, weights if ctx.tensor_model_parallel_rank == 0
+                                        and ctx.data_parallel_rank == 0 else {})
+    if torch.distributed.get_rank() == 0:
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        torch.save({"weights": merged, "metrics": metrics, "old_logp": old_logp}, args.out)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
