@@ -91,6 +91,13 @@ def apex_available() -> bool:
     return True
 
 
+def distributed_optimizer_available() -> bool:
+    """megatron's distributed optimizer checks for CUDA tensor types and reduce-scatters
+    gradients, which gloo does not implement: on CPU the actor falls back to DDP all-reduce with
+    a replicated AdamW (same numerics, more optimizer memory)."""
+    return cuda_available()
+
+
 def transformer_engine_available() -> bool:
     if not cuda_available():
         return False

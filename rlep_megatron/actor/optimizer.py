@@ -86,16 +86,18 @@ class ActorOptimizer:
         self.num_skipped = int(state["num_skipped"])
 
 
-def distributed_optimizer_supported() -> bool:
-    """The distributed optimizer reduce-scatters gradients, which gloo does not implement."""
-    return platform.cuda_available()
+def use_distributed_optimizer(config: OptimConfig) -> bool:
+    """``optim.use_distributed_optimizer``, where the platform supports it (CUDA)."""
+    return config.use_distributed_optimizer and platform.distributed_optimizer_available()
 
 
 def build_optimizer(chunks: list[torch.nn.Module], config: OptimConfig,
                     params_dtype: torch.dtype) -> ActorOptimizer:
+    """The optimizer for DDP-wrapped chunks (wrap them with ``wrap_ddp(chunks,
+    use_distributed_optimizer(config))``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    use_distributed = config.use_distributed_optimizer and distributed_optimizer_supported()
+    use_distributed = use_distributed_optimizer(config)
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=config.lr, min_lr=0.0, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,

@@ -9,7 +9,7 @@ from rlep_megatron import distributed
 from rlep_megatron.actor.export import iter_hf_tensors
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import build_from_hf
-from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
+from rlep_megatron.actor.optimizer import build_optimizer, use_distributed_optimizer, wrap_ddp
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
 
@@ -53,7 +53,7 @@ def main():
     # amplify 1e-9 differences in near-zero gradients to O(lr)
     optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.1, clip_grad=1.0,
                             adam_eps=1e-3)
-    chunks = wrap_ddp(chunks, use_distributed_optimizer=False)
+    chunks = wrap_ddp(chunks, use_distributed_optimizer(optim_cfg))
     optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
 
     input_ids, response_mask, advantages, is_replay, noise = global_batch()
