@@ -1,0 +1,212 @@
+"""The DAPO/RLEP parquet schema (RLEP_SPEC.md section 2): validation, reading, writing.
+
+| column | type |
+|---|---|
+| data_source | string |
+| prompt | list<struct{content: string, role: string}> |
+| ability | string (optional here) |
+| reward_model | struct{ground_truth: string, style: string, candidates: list<string> (optional)} |
+| extra_info | struct{index: string, ...} (optional here) |
+
+Extra columns are accepted and ignored. Any other deviation raises ValueError naming the file,
+the column and the expected type.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MESSAGE_TYPE = pa.struct([("content", pa.string()), ("role", pa.string())])
+PROMPT_TYPE = pa.list_(MESSAGE_TYPE)
+CANDIDATES_TYPE = pa.list_(pa.string())
+
+EXPECTED = {
+    "data_source": "string",
+    "prompt": "list<struct<content: string, role: string>>",
+    "ability": "string",
+    "reward_model": "struct<ground_truth: string, style: string, candidates: list<string> "
+                    "(optional)>",
+    "extra_info": "struct<index: string, ...>",
+}
+REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
+
+
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _wrong(path: str, column: str, actual: pa.DataType) -> ValueError:
+    return ValueError(f"{path}: column '{column}' has type {actual}; expected {EXPECTED[column]}")
+
+
+def validate_schema(schema: pa.Schema, path: str) -> bool:
+    """Check a parquet schema; returns whether ``reward_model.candidates`` is present."""
+    names = set(schema.names)
+    for column in REQUIRED_COLUMNS:
+        if column not in names:
+            raise ValueError(f"{path}: missing column '{column}' (expected type "
+                             f"{EXPECTED[column]}); columns present: {sorted(names)}")
+    if not _is_string(schema.field("data_source").type):
+        raise _wrong(path, "data_source", schema.field("data_source").type)
+    prompt = schema.field("prompt").type
+    if not (_is_list(prompt) and pa.types.is_struct(prompt.value_type)):
+        raise _wrong(path, "prompt", prompt)
+    message = prompt.value_type
+    for key in ("content", "role"):
+        index = message.get_field_index(key)
+        if index < 0 or not _is_string(message.field(index).type):
+            raise _wrong(path, "prompt", prompt)
+    reward = schema.field("reward_model").type
+    if not pa.types.is_struct(reward):
+        raise _wrong(path, "reward_model", reward)
+    truth = reward.get_field_index("ground_truth")
+    if truth < 0 or not _is_string(reward.field(truth).type):
+        raise ValueError(f"{path}: column 'reward_model' lacks a string field 'ground_truth' "
+                         f"(type {reward}); expected {EXPECTED['reward_model']}")
+    candidates = reward.get_field_index("candidates")
+    if candidates >= 0:
+        ctype = reward.field(candidates).type
+        if not (_is_list(ctype) and _is_string(ctype.value_type)):
+            raise ValueError(f"{path}: 'reward_model.candidates' has type {ctype}; expected "
+                             "list<string>")
+    if "ability" in names and not _is_string(schema.field("ability").type):
+        raise _wrong(path, "ability", schema.field("ability").type)
+    if "extra_info" in names and not pa.types.is_struct(schema.field("extra_info").type):
+        raise _wrong(path, "extra_info", schema.field("extra_info").type)
+    return candidates >= 0
+
+
+@dataclass
+class PromptRows:
+    """Rows of one or more DAPO-schema files, as Python lists (one entry per row)."""
+
+    data_source: list[str] = field(default_factory=list)
+    messages: list[list[dict]] = field(default_factory=list)
+    ground_truth: list[str] = field(default_factory=list)
+    candidates: list[Optional[list[str]]] = field(default_factory=list)
+    index: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.data_source)
+
+    def prompt_key(self, row: int) -> str:
+        return prompt_key(self.messages[row])
+
+    def select(self, rows: Sequence[int]) -> "PromptRows":
+        return PromptRows(*([getattr(self, name)[r] for r in rows] for name in
+                            ("data_source", "messages", "ground_truth", "candidates", "index")))
+
+    def deduplicate(self) -> "PromptRows":
+        """First occurrence of every distinct prompt (the public DAPO file repeats each ~100x)."""
+        seen, keep = set(), []
+        for row in range(len(self)):
+            key = self.prompt_key(row)
+            if key not in seen:
+                seen.add(key)
+                keep.append(row)
+        return self.select(keep)
+
+
+def prompt_key(messages: Sequence[dict]) -> str:
+    """The identity of a question: its chat messages, role and content."""
+    return "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages)
+
+
+def read_prompt_file(path: str) -> PromptRows:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"parquet file not found: {path}")
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+    has_candidates = validate_schema(parquet.schema_arrow, path)
+    columns = [c for c in ("data_source", "prompt", "reward_model", "extra_info")
+               if c in parquet.schema_arrow.names]
+    try:
+        table = parquet.read(columns=columns)
+    except Exception as err:
+        raise ValueError(f"{path}: cannot read columns {columns} ({err})") from None
+    rows = PromptRows()
+    rows.data_source = table.column("data_source").to_pylist()
+    rows.messages = [[{"role": m["role"], "content": m["content"]} for m in prompt or []]
+                     for prompt in table.column("prompt").to_pylist()]
+    reward = table.column("reward_model").combine_chunks()
+    rows.ground_truth = reward.field("ground_truth").to_pylist()
+    rows.candidates = (reward.field("candidates").to_pylist() if has_candidates
+                       else [None] * len(rows.data_source))
+    if "extra_info" in columns:
+        info = table.column("extra_info").combine_chunks()
+        index = (info.field("index").to_pylist() if info.type.get_field_index("index") >= 0
+                 else [None] * len(info))
+    else:
+        index = [None] * len(rows.data_source)
+    rows.index = [str(i) if i is not None else f"{os.path.basename(path)}:{n}"
+                  for n, i in enumerate(index)]
+    for row, (source, messages, truth) in enumerate(zip(rows.data_source, rows.messages,
+                                                        rows.ground_truth)):
+        if source is None or truth is None or not messages:
+            raise ValueError(f"{path}: row {row} has an empty data_source, prompt or "
+                             "reward_model.ground_truth")
+    return rows
+
+
+def read_prompt_files(paths: Sequence[str], deduplicate: bool = False) -> PromptRows:
+    """Read and concatenate files; optionally keep the first occurrence of each prompt."""
+    if not paths:
+        raise ValueError("no parquet files given (set data.train_files / data.val_files)")
+    merged = PromptRows()
+    for path in paths:
+        part = read_prompt_file(path)
+        for name in ("data_source", "messages", "ground_truth", "candidates", "index"):
+            getattr(merged, name).extend(getattr(part, name))
+    return merged.deduplicate() if deduplicate else merged
+
+
+def rows_to_table(rows: PromptRows, ability: str = "MATH", style: str = "rule-lang",
+                  with_candidates: Optional[bool] = None) -> pa.Table:
+    """Build a table in the public schema (``candidates`` only when any row has them, or when
+    ``with_candidates`` forces it)."""
+    if with_candidates is None:
+        with_candidates = any(c is not None for c in rows.candidates)
+    reward_fields = [("ground_truth", pa.string()), ("style", pa.string())]
+    if with_candidates:
+        reward_fields.append(("candidates", CANDIDATES_TYPE))
+    reward_values = []
+    for truth, candidates in zip(rows.ground_truth, rows.candidates):
+        value = {"ground_truth": truth, "style": style}
+        if with_candidates:
+            value["candidates"] = list(candidates or [])
+        reward_values.append(value)
+    return pa.table({
+        "data_source": pa.array(rows.data_source, pa.string()),
+        "prompt": pa.array([[{"content": m["content"], "role": m["role"]} for m in messages]
+                            for messages in rows.messages], PROMPT_TYPE),
+        "ability": pa.array([ability] * len(rows), pa.string()),
+        "reward_model": pa.array(reward_values, pa.struct(reward_fields)),
+        "extra_info": pa.array([{"index": i} for i in rows.index],
+                               pa.struct([("index", pa.string())])),
+    })
+
+
+def write_table_atomic(table: pa.Table, path: str) -> None:
+    """Write a parquet file via a temporary name in the same directory, then rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
