@@ -27,7 +27,6 @@ import contextlib
 import functools
 import importlib
 import logging
-import os
 import pkgutil
 import sys
 import types

@@ -1,7 +1,5 @@
-import math
 from itertools import combinations
 
-import numpy as np
 import pytest
 
 from rlep_megatron.evaluate import (QuestionSamples, best_at_k, evaluate_samples, format_table,
