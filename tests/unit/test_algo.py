@@ -195,8 +195,9 @@ def test_optional_terms_are_off_by_default_and_applied_when_set():
     base, _ = policy_loss(*args)
     ref = torch.tensor(old_logp) - 0.1
     entropy = torch.full_like(args[0], 2.0)
-    with_kl, m = policy_loss(*args, ref_logp=ref, kl_coef=0.5, kl_estimator="k1")
+    with_kl, metrics = policy_loss(*args, ref_logp=ref, kl_coef=0.5, kl_estimator="k1")
     expected_kl = float(((torch.tensor(logp) - ref) * args[3]).sum() / args[3].sum())
+    assert metrics["kl"] == pytest.approx(expected_kl, rel=1e-12)
     assert with_kl.item() == pytest.approx(base.item() + 0.5 * expected_kl, rel=1e-12)
     with_entropy, _ = policy_loss(*args, entropy=entropy, entropy_coef=0.01)
     assert with_entropy.item() == pytest.approx(base.item() - 0.01 * 2.0, rel=1e-12)
