@@ -341,11 +341,23 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,
             grad.detach().mul_(clip_coeff)
 
 
-# (module, function name, CPU replacement), patched in every listed module's namespace.
+def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+    """megatron's ``_get_cuda_rng_state`` on CPU: every random op runs on the CPU generator."""
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    """megatron's ``_set_cuda_rng_state`` on CPU (activation recomputation restores it)."""
+    torch.set_rng_state(new_state)
+
+
+# (modules, function name, CPU replacement), patched in every listed module's namespace.
 _CPU_FUNCTIONS = (
     (("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer",
       "megatron.core.optimizer.distrib_optimizer"), "clip_grad_by_total_norm_fp32",
      _cpu_clip_grad_by_total_norm_fp32),
+    (("megatron.core.tensor_parallel.random",), "_get_cuda_rng_state", _cpu_get_rng_state),
+    (("megatron.core.tensor_parallel.random",), "_set_cuda_rng_state", _cpu_set_rng_state),
 )
 
 

@@ -25,12 +25,35 @@ def pad_sequences(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Te
     return ids, lengths
 
 
-def micro_batches(input_ids: torch.Tensor, micro_batch_size: int) -> list[dict]:
-    n, seq_len = input_ids.shape
-    positions = torch.arange(seq_len).unsqueeze(0)
-    return [{"input_ids": input_ids[i:i + micro_batch_size],
-             "position_ids": positions.expand(min(micro_batch_size, n - i), -1)}
-            for i in range(0, n, micro_batch_size)]
+def micro_batches(input_ids: torch.Tensor, groups: list[list[int]], num_rows: int = 0
+                  ) -> list[dict]:
+    """Micro-batches of the given rows, padded with copies of their first row up to
+    ``num_rows`` (fixed shapes; the caller drops the padded rows' results)."""
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    out = []
+    for rows in groups:
+        index = torch.tensor(list(rows) + [rows[0]] * max(0, num_rows - len(rows)))
+        out.append({"input_ids": input_ids[index], "position_ids": positions.expand(len(index), -1),
+                    "num_rows": len(rows)})
+    return out
+
+
+def fit_to_schedule(groups: list[list[int]], chunks: list[torch.nn.Module]) -> list[list[int]]:
+    """Row groups (micro-batches) adjusted to megatron's interleaved (virtual pipeline)
+    schedule, which needs a multiple of PP micro-batches: the rows are re-cut into the next
+    multiple of PP contiguous groups. Without virtual stages the groups are returned as is."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if len(chunks) == 1 or len(groups) % pp == 0:
+        return groups
+    rows = [row for group in groups for row in group]
+    if len(rows) < pp:
+        raise ValueError(f"{len(rows)} sequences cannot fill the {pp} micro-batches that the "
+                         "virtual pipeline schedule needs; use more sequences per step")
+    target = min(-(-len(groups) // pp) * pp, len(rows) // pp * pp)
+    bounds = [round(i * len(rows) / target) for i in range(target + 1)]
+    return [rows[bounds[i]:bounds[i + 1]] for i in range(target)]
 
 
 def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
@@ -50,9 +73,8 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     n, seq_len = input_ids.shape
-    if n % micro_batch_size:
-        raise ValueError(f"{n} sequences are not divisible into micro-batches of "
-                         f"{micro_batch_size}")
+    groups = fit_to_schedule([list(range(i, min(i + micro_batch_size, n)))
+                              for i in range(0, n, micro_batch_size)], chunks)
     device = next(chunks[0].parameters()).device
     tp_group = ps.get_tensor_model_parallel_group()
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -60,6 +82,7 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         ids = batch["input_ids"].to(device)
+        keep = batch["num_rows"]
         output = model(ids, batch["position_ids"].to(device), attention_mask=None)
 
         def collect(logits):
@@ -67,20 +90,22 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
                 logits[:, :-1], ids[:, 1:], info.dims.vocab_size, tp_rank, tp_group,
                 temperature, with_entropy)
             zeros = torch.zeros(ids.shape[0], 1, dtype=logp.dtype, device=logp.device)
-            result = {"logp": torch.cat([zeros, logp], dim=1).detach()}
+            result = {"logp": torch.cat([zeros, logp], dim=1).detach()[:keep]}
             if with_entropy:
-                result["entropy"] = torch.cat([zeros, entropy], dim=1).detach()
+                result["entropy"] = torch.cat([zeros, entropy], dim=1).detach()[:keep]
             return torch.zeros((), device=logp.device), result
 
         return output, collect
 
-    batches = micro_batches(input_ids, micro_batch_size)
+    # the interleaved schedule needs micro-batches of one shape (see train_step)
+    batches = micro_batches(input_ids, groups,
+                            num_rows=max(len(g) for g in groups) if len(chunks) > 1 else 0)
     iterators = ([iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches))
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
-            seq_length=seq_len, micro_batch_size=micro_batch_size, forward_only=True)
+            seq_length=seq_len, micro_batch_size=max(len(g) for g in groups), forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return {key: torch.cat([o[key] for o in outputs], dim=0).cpu() for key in outputs[0]}

@@ -97,6 +97,11 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     device = next(chunks[0].parameters()).device
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     global_tokens, global_sequences = global_counts(batch)
+    if len(chunks) > 1:
+        raise ValueError(
+            "training with parallel.virtual_pipeline_model_parallel_size is not supported yet: "
+            "forward passes are verified, but the interleaved schedule's training gradients did "
+            "not match the plain pipeline schedule in tests; set it to null")
     groups = split_by_token_budget(batch.lengths().tolist(), micro_batch_max_tokens)
     micro_batches = [_micro_batch(batch, rows) for rows in groups]
     # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
@@ -126,12 +131,10 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         return output, loss_func
 
     optimizer.zero_grad(chunks)
-    iterators = ([iter(micro_batches) for _ in chunks] if len(chunks) > 1
-                 else iter(micro_batches))
     max_len = max(int(mb["input_ids"].shape[1]) for mb in micro_batches)
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators,
-        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=chunks[0],
+        num_microbatches=len(micro_batches),
         seq_length=max_len, micro_batch_size=max(len(g) for g in groups), forward_only=False)
     applied, grad_norm = optimizer.step()
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True))

@@ -17,11 +17,13 @@ def main():
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hf_config = load_hf_config(args.hf_dir)
     distributed.init_model_parallel(
-        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp),
+        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                       virtual_pipeline_model_parallel_size=args.vpp),
         seed=0, num_attention_heads=hf_config["num_attention_heads"],
         num_query_groups=hf_config["num_key_value_heads"],
         num_layers=hf_config["num_hidden_layers"])

@@ -42,13 +42,16 @@ def main():
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
+    parser.add_argument("--recompute", action="store_true", help="full activation recompute")
     parser.add_argument("--micro-batch-max-tokens", type=int, default=40)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     ctx = distributed.init_model_parallel(
-        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp),
+        ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                       virtual_pipeline_model_parallel_size=args.vpp),
         seed=0)
-    chunks, info = build_from_hf(args.hf_dir, "float32")
+    chunks, info = build_from_hf(args.hf_dir, "float32", recompute_activations=args.recompute)
     # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise
     # amplify 1e-9 differences in near-zero gradients to O(lr)
     optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.1, clip_grad=1.0,

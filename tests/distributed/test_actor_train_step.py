@@ -64,3 +64,16 @@ def test_train_step_parity_across_layouts_and_against_transformers(arch, request
                                                               rel=1e-5)
         assert other["metrics"]["pg_loss"] == pytest.approx(single["metrics"]["pg_loss"],
                                                             abs=1e-6)
+
+
+def test_recompute_gives_the_same_step_and_vpp_training_is_refused(tiny_qwen2_dir, tmp_path):
+    plain = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / "plain.pt")
+    run_torchrun(PROGRAM, 1, ["--hf-dir", tiny_qwen2_dir, "--recompute", "--out",
+                              str(tmp_path / "recompute.pt")])
+    recompute = torch.load(tmp_path / "recompute.pt")
+    for name, tensor in plain["weights"].items():
+        torch.testing.assert_close(recompute["weights"][name], tensor, rtol=0, atol=1e-7)
+    with pytest.raises(AssertionError, match="virtual_pipeline_model_parallel_size is not "
+                                             "supported yet"):
+        run_torchrun(PROGRAM, 2, ["--hf-dir", tiny_qwen2_dir, "--pp", "2", "--vpp", "2",
+                                  "--out", str(tmp_path / "vpp.pt")])
