@@ -44,8 +44,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Actor pipeline-parallel degree; must divide the number of layers."""
     virtual_pipeline_model_parallel_size: Optional[int] = None
-    """Model chunks per pipeline stage (interleaved schedule); null for none. Forward passes
-    (log-probs) support it; training with it is refused for now."""
+    """Model chunks per pipeline stage (interleaved schedule); null for none. Needs at least
+    PP micro-batches per step (micro-batches are re-cut to a multiple of PP)."""
     context_parallel_size: int = 1
     """Context-parallel degree (sequence split across ranks for attention)."""
     sequence_parallel: bool = False

@@ -90,6 +90,15 @@ def apex_available() -> bool:
     return True
 
 
+def megatron_config_overrides() -> dict:
+    """TransformerConfig fields this platform needs. On gloo, pipeline stages must not batch
+    their sends and receives: with PP=2 the previous and the next stage are the same rank, gloo
+    matches messages to one peer in posting order, and megatron's batched op order then swaps
+    activations and gradients of equal shape (silently wrong losses in the interleaved
+    schedule). The unbatched path sends the two directions on two communicators."""
+    return {} if cuda_available() else {"batch_p2p_comm": False}
+
+
 def distributed_optimizer_available() -> bool:
     """megatron's distributed optimizer checks for CUDA tensor types and reduce-scatters
     gradients, which gloo does not implement: on CPU the actor falls back to DDP all-reduce with

@@ -83,6 +83,7 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
     kwargs.update(arch.transformer_kwargs(hf_config))
+    kwargs.update(platform.megatron_config_overrides())
     return TransformerConfig(**kwargs)
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from rlep_megatron.actor.forward import fit_to_schedule
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 from rlep_megatron.actor.model import ActorModelInfo
 from rlep_megatron.actor.optimizer import ActorOptimizer
@@ -72,12 +73,18 @@ def global_counts(batch: TrainBatch) -> tuple[float, float]:
     return float(counts[0]), float(counts[1])
 
 
-def _micro_batch(batch: TrainBatch, rows: list[int]) -> dict:
-    length = int(batch.lengths()[rows].max())
-    index = torch.tensor(rows)
+def _micro_batch(batch: TrainBatch, rows: list[int], length: Optional[int] = None,
+                 num_rows: Optional[int] = None) -> dict:
+    """Rows of the batch cut to ``length`` columns (default: their longest), padded with
+    all-masked copies of the first row up to ``num_rows`` (masked rows add nothing to the loss
+    or its gradient)."""
+    length = length or int(batch.lengths()[rows].max())
+    padding = max(0, (num_rows or len(rows)) - len(rows))
+    index = torch.tensor(list(rows) + [rows[0]] * padding)
     out = {"input_ids": batch.input_ids[index, :length],
            "position_ids": torch.arange(length).unsqueeze(0).expand(len(rows), -1),
-           "response_mask": batch.response_mask[index, :length].float(),
+           "response_mask": batch.response_mask[index, :length].float()
+           * (torch.arange(len(index)) < len(rows)).float().unsqueeze(1),
            "old_logp": batch.old_logp[index, :length].float(),
            "advantages": batch.advantages[index].float(),
            "is_replay": batch.is_replay[index]}
@@ -97,13 +104,13 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     device = next(chunks[0].parameters()).device
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     global_tokens, global_sequences = global_counts(batch)
-    if len(chunks) > 1:
-        raise ValueError(
-            "training with parallel.virtual_pipeline_model_parallel_size is not supported yet: "
-            "forward passes are verified, but the interleaved schedule's training gradients did "
-            "not match the plain pipeline schedule in tests; set it to null")
-    groups = split_by_token_budget(batch.lengths().tolist(), micro_batch_max_tokens)
-    micro_batches = [_micro_batch(batch, rows) for rows in groups]
+    groups = fit_to_schedule(split_by_token_budget(batch.lengths().tolist(),
+                                                   micro_batch_max_tokens), chunks)
+    # the interleaved (virtual pipeline) schedule exchanges fixed-shape buffers between stages:
+    # give every micro-batch the shape of the largest
+    shape = ({"length": int(batch.lengths().max()), "num_rows": max(len(g) for g in groups)}
+             if len(chunks) > 1 else {})
+    micro_batches = [_micro_batch(batch, rows, **shape) for rows in groups]
     # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
     compensation = len(micro_batches) * ps.get_data_parallel_world_size()
 
@@ -133,8 +140,10 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     optimizer.zero_grad(chunks)
     max_len = max(int(mb["input_ids"].shape[1]) for mb in micro_batches)
     outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=chunks[0],
-        num_microbatches=len(micro_batches),
+        forward_step_func=forward_step,
+        data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1
+        else iter(micro_batches),
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
         seq_length=max_len, micro_batch_size=max(len(g) for g in groups), forward_only=False)
     applied, grad_norm = optimizer.step()
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True))

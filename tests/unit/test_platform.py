@@ -104,3 +104,10 @@ def test_tensor_cuda_is_identity_only_inside_wrapped_megatron_methods():
     assert torch.Tensor.cuda is original_cuda
     with pytest.raises((AssertionError, RuntimeError)):
         torch.ones(1).cuda()
+
+
+def test_pipeline_sends_are_unbatched_on_gloo(monkeypatch):
+    monkeypatch.setattr(platform, "cuda_available", lambda: False)
+    assert platform.megatron_config_overrides() == {"batch_p2p_comm": False}
+    monkeypatch.setattr(platform, "cuda_available", lambda: True)
+    assert platform.megatron_config_overrides() == {}
