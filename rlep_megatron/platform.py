@@ -426,7 +426,3 @@ def _keep_cpu_tracker(*_args, **_kwargs):
     """Replaces megatron's ``initialize_rng_tracker`` so a later call cannot swap the CPU
     tracker back for a CUDA one."""
     return None
-
-
-def shim_installed() -> bool:
-    return _SHIM_INSTALLED

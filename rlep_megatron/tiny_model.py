@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import torch
+
+from rlep_megatron.checkpoint.staging import staged_output
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -146,24 +146,12 @@ def make_tiny_model(out_dir: str, seed: int = 0, arch: str = "qwen2",
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, seed)
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tiny-model-", dir=parent)
-    try:
+    with staged_output(out_dir, replace_existing=True) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         GenerationConfig(eos_token_id=[eos_id, pad_id], pad_token_id=pad_id,
                          do_sample=True, temperature=1.0, top_p=1.0).save_pretrained(staging)
         _normalise_json_files(staging)
-        os.chmod(staging, 0o755)
-        for name in os.listdir(staging):
-            os.chmod(os.path.join(staging, name), 0o644)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -17,18 +17,10 @@ def main() -> int:
                         "or be empty; written atomically)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
-    from rlep_megatron import distributed
-    from rlep_megatron.checkpoint.convert import convert_hf_to_mcore
+    from rlep_megatron.checkpoint.convert import convert_hf_to_mcore, run_conversion_cli
 
-    distributed.setup_logging()
-    try:
-        print(convert_hf_to_mcore(args.hf_dir, args.out_dir, not args.no_progress))
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"convert_hf_to_mcore: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        distributed.destroy()
-    return 0
+    return run_conversion_cli("convert_hf_to_mcore", convert_hf_to_mcore, args.hf_dir,
+                              args.out_dir, not args.no_progress)
 
 
 if __name__ == "__main__":

@@ -22,19 +22,11 @@ def main() -> int:
                         help="start a new safetensors shard above this size")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
-    from rlep_megatron import distributed
-    from rlep_megatron.checkpoint.convert import convert_mcore_to_hf
+    from rlep_megatron.checkpoint.convert import convert_mcore_to_hf, run_conversion_cli
 
-    distributed.setup_logging()
-    try:
-        print(convert_mcore_to_hf(args.mcore_dir, args.out_dir, args.hf_config_dir,
-                                  int(args.max_shard_gb * 1024 ** 3), not args.no_progress))
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"convert_mcore_to_hf: error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        distributed.destroy()
-    return 0
+    return run_conversion_cli("convert_mcore_to_hf", convert_mcore_to_hf, args.mcore_dir,
+                              args.out_dir, args.hf_config_dir,
+                              int(args.max_shard_gb * 1024 ** 3), not args.no_progress)
 
 
 if __name__ == "__main__":

@@ -73,12 +73,12 @@ def global_counts(batch: TrainBatch) -> tuple[float, float]:
     return float(counts[0]), float(counts[1])
 
 
-def _micro_batch(batch: TrainBatch, rows: list[int], length: Optional[int] = None,
-                 num_rows: Optional[int] = None) -> dict:
+def _micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int],
+                 length: Optional[int] = None, num_rows: Optional[int] = None) -> dict:
     """Rows of the batch cut to ``length`` columns (default: their longest), padded with
     all-masked copies of the first row up to ``num_rows`` (masked rows add nothing to the loss
     or its gradient)."""
-    length = length or int(batch.lengths()[rows].max())
+    length = length or int(lengths[rows].max())
     padding = max(0, (num_rows or len(rows)) - len(rows))
     index = torch.tensor(list(rows) + [rows[0]] * padding)
     out = {"input_ids": batch.input_ids[index, :length],
@@ -104,13 +104,14 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     device = next(chunks[0].parameters()).device
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     global_tokens, global_sequences = global_counts(batch)
-    groups = fit_to_schedule(split_by_token_budget(batch.lengths().tolist(),
-                                                   micro_batch_max_tokens), chunks)
+    lengths = batch.lengths()
+    groups = fit_to_schedule(split_by_token_budget(lengths.tolist(), micro_batch_max_tokens),
+                             chunks)
     # the interleaved (virtual pipeline) schedule exchanges fixed-shape buffers between stages:
     # give every micro-batch the shape of the largest
-    shape = ({"length": int(batch.lengths().max()), "num_rows": max(len(g) for g in groups)}
+    shape = ({"length": int(lengths.max()), "num_rows": max(len(g) for g in groups)}
              if len(chunks) > 1 else {})
-    micro_batches = [_micro_batch(batch, rows, **shape) for rows in groups]
+    micro_batches = [_micro_batch(batch, lengths, rows, **shape) for rows in groups]
     # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
     compensation = len(micro_batches) * ps.get_data_parallel_world_size()
 
@@ -152,41 +153,41 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     return metrics
 
 
-_SUM_KEYS = ("pg_loss", "kl")
+# Summed over micro-batches and DP ranks as they are: losses already carry the global
+# normaliser, the rest are counts. Every other metric is a token-weighted mean.
+_SUMMED = ("pg_loss", "kl", "entropy_sum", "num_tokens", "num_tokens/fresh", "num_tokens/replay")
+_TOKEN_MEANS = tuple(f"{name}{suffix}" for name in ("pg_clipfrac", "ratio_mean", "approx_kl")
+                     for suffix in ("", "/fresh", "/replay")) + (
+    "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_dual")
+
+
+def _token_count_key(key: str) -> str:
+    return "num_tokens" + (key[key.index("/"):] if "/" in key else "")
 
 
 def _reduce_metrics(outputs: list[dict], is_last_stage: bool) -> dict[str, float]:
-    """Token-weighted means of the micro-batch metrics over micro-batches and DP ranks, computed
-    on the last pipeline stage and broadcast to the whole pipeline."""
+    """Micro-batch metrics reduced over micro-batches and DP ranks on the last pipeline stage,
+    then broadcast to the whole pipeline. ``kl`` is 0 when the KL term is off."""
     from megatron.core import parallel_state as ps
 
-    keys = ["pg_loss", "num_tokens", "entropy_sum", "pg_clipfrac", "pg_clipfrac_low",
-            "pg_clipfrac_high", "pg_clipfrac_dual", "ratio_mean", "approx_kl",
-            "num_tokens/fresh", "num_tokens/replay", "pg_clipfrac/fresh", "pg_clipfrac/replay",
-            "ratio_mean/fresh", "ratio_mean/replay", "approx_kl/fresh", "approx_kl/replay"]
-    sums = torch.zeros(len(keys) + 2, dtype=torch.float64)
+    keys = _SUMMED + _TOKEN_MEANS
+    sums = torch.zeros(len(keys), dtype=torch.float64)
+    ratio_max = torch.zeros(1, dtype=torch.float64)
     if is_last_stage:
         for out in outputs:
             for i, key in enumerate(keys):
-                if key in ("pg_loss", "entropy_sum") or key.startswith("num_tokens"):
-                    sums[i] += out.get(key, 0.0)
-                else:
-                    weight = out.get("num_tokens" + (key[key.index("/"):] if "/" in key else ""),
-                                     0.0)
-                    sums[i] += out.get(key, 0.0) * weight
-            sums[-2] = max(float(sums[-2]), max(out.get("ratio_max", 0.0) for out in outputs))
-    torch.distributed.all_reduce(sums[:-2], group=ps.get_data_parallel_group())
-    torch.distributed.all_reduce(sums[-2:], op=torch.distributed.ReduceOp.MAX,
-                                 group=ps.get_data_parallel_group())
-    last_rank = ps.get_pipeline_model_parallel_last_rank()
-    torch.distributed.broadcast(sums, src=last_rank, group=ps.get_pipeline_model_parallel_group())
-    values = dict(zip(keys, sums.tolist()))
-    result = {"pg_loss": values["pg_loss"], "ratio_max": float(sums[-2]),
-              "entropy": values["entropy_sum"] / max(values["num_tokens"], 1.0)}
-    for key in keys:
-        if key in ("pg_loss", "entropy_sum") or key.startswith("num_tokens"):
-            continue
-        suffix = key[key.index("/"):] if "/" in key else ""
-        result[key] = values[key] / max(values["num_tokens" + suffix], 1.0)
-    result["num_tokens"] = values["num_tokens"]
+                weight = 1.0 if key in _SUMMED else out.get(_token_count_key(key), 0.0)
+                sums[i] += out.get(key, 0.0) * weight
+            ratio_max[0] = max(float(ratio_max[0]), out.get("ratio_max", 0.0))
+    dp_group = ps.get_data_parallel_group()
+    torch.distributed.all_reduce(sums, group=dp_group)
+    torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+    packed = torch.cat([sums, ratio_max])
+    torch.distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    values = dict(zip(keys, packed[:-1].tolist()))
+    result = {key: values[key] / max(values[_token_count_key(key)], 1.0) for key in _TOKEN_MEANS}
+    result.update(pg_loss=values["pg_loss"], kl=values["kl"], num_tokens=values["num_tokens"],
+                  entropy=values["entropy_sum"] / max(values["num_tokens"], 1.0),
+                  ratio_max=float(packed[-1]))
     return result

@@ -21,15 +21,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from rlep_megatron.checkpoint import architecture_for, layout
 from rlep_megatron.checkpoint.hf_io import INDEX_FILE, SafetensorsReader, load_hf_config
+from rlep_megatron.checkpoint.staging import staged_output
 
 logger = logging.getLogger(__name__)
 
@@ -46,26 +45,6 @@ def hf_dtype(hf_config: dict[str, Any]) -> torch.dtype:
         raise ValueError(f"config.json dtype {name!r} is not supported; use one of "
                          f"{sorted(_DTYPES)}")
     return _DTYPES[name]
-
-
-@contextmanager
-def staged_output(out_dir: str) -> Iterator[str]:
-    """A temporary directory next to ``out_dir``, renamed to it on success, removed on failure.
-    An existing non-empty ``out_dir`` is refused (never overwritten)."""
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"output directory {out_dir} exists and is not empty; choose "
-                              "another --out-dir or remove it")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.partial-", dir=parent)
-    try:
-        yield staging
-        if os.path.isdir(out_dir):
-            os.rmdir(out_dir)
-        os.replace(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def copy_hf_side_files(src_dir: str, dst_dir: str) -> None:
@@ -227,3 +206,21 @@ class _ShardWriter:
         with open(os.path.join(self.directory, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump({"metadata": {"total_size": self.total_bytes},
                        "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+
+
+def run_conversion_cli(tool: str, convert: Callable[..., str], *args) -> int:
+    """Run a conversion for a command-line tool: print its summary line, or ``tool: error: ...``
+    with exit code 2 for bad input; the process group is torn down either way."""
+    import sys
+
+    from rlep_megatron import distributed
+
+    distributed.setup_logging()
+    try:
+        print(convert(*args))
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"{tool}: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        distributed.destroy()
+    return 0

@@ -67,7 +67,6 @@ class _Worker:
         self.process.start()
         child_conn.close()
         self.chunk: Optional[tuple[int, list]] = None
-        self.handed_off = 0.0
 
     def kill(self) -> None:
         self.process.kill()
@@ -113,7 +112,6 @@ class ScorerPool:
                     items = pending.pop()
                     worker.chunk = (next_chunk_id, items)
                     next_chunk_id += 1
-                    worker.handed_off = time.monotonic()
                     worker.conn.send((next_chunk_id - 1, items, registry))
             busy = [w for w in self._workers if w.chunk is not None]
             ready = wait_for_connections([w.conn for w in busy], timeout=0.05)

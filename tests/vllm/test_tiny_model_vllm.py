@@ -8,22 +8,12 @@ import sys
 import pytest
 import torch
 
+from rlep_megatron.checkpoint.verify import hf_token_logprobs
 from tests.torchrun import REPO_ROOT
 
 pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
-
-
-def hf_logprobs(model_dir, prompt_ids, token_ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
-                                                 dtype=torch.float32)
-    ids = torch.tensor([prompt_ids + token_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].double()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
@@ -39,9 +29,15 @@ def test_vllm_generates_with_logprobs_matching_hf(arch, request, tmp_path):
     assert all(s["token_ids"] and s["finish_reason"] in ("stop", "length") for s in samples)
     # different samples for the same prompt: the sampler is really sampling
     assert len({tuple(s["token_ids"]) for s in samples}) > 2
-    diffs = []
-    for sample in samples:
-        reference = hf_logprobs(model_dir, sample["prompt_ids"], sample["token_ids"])
-        diffs.append((reference - torch.tensor(sample["logprobs"], dtype=torch.float64)).abs())
+    # HF log-probs of the same tokens: column t of the reference is token t given tokens < t
+    sequences = [s["prompt_ids"] + s["token_ids"] for s in samples]
+    lengths = torch.tensor([len(seq) for seq in sequences])
+    input_ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        input_ids[row, :len(seq)] = torch.tensor(seq)
+    reference = hf_token_logprobs(model_dir, input_ids, lengths)
+    diffs = [(reference[row, len(s["prompt_ids"]):len(sequences[row])]
+              - torch.tensor(s["logprobs"], dtype=torch.float64)).abs()
+             for row, s in enumerate(samples)]
     mean_abs = torch.cat(diffs).mean().item()
     assert mean_abs <= 1e-4, mean_abs
