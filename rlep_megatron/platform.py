@@ -20,6 +20,9 @@ CUDA assumptions hold on CPU:
   megatron warn "CPU RNG state changed within GPU RNG context" and couples the streams.
 
 The shim is active only when CUDA is absent (:func:`cuda_available` is false) and is idempotent.
+
+vLLM's CPU backend has one quirk that weight sync must work around, also kept here:
+:func:`refresh_vllm_cpu_embedding_kernels`.
 """
 from __future__ import annotations
 
@@ -426,3 +429,22 @@ def _keep_cpu_tracker(*_args, **_kwargs):
     """Replaces megatron's ``initialize_rng_tracker`` so a later call cannot swap the CPU
     tracker back for a CUDA one."""
     return None
+
+
+def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module) -> int:
+    """After an in-place weight reload on vLLM's CPU backend, rebuild the packed GEMM kernels of
+    embedding-method layers (the LM head). The CPU backend packs a copy of the LM-head matrix
+    when the model loads; with tied embeddings the head receives no weights of its own during a
+    reload (the embedding's storage is updated in place), so its packed copy would keep serving
+    the old matrix. Re-running the layer's own ``process_weights_after_loading`` repacks it from
+    the current weight. No-op with CUDA. Returns the number of layers refreshed."""
+    if cuda_available():
+        return 0
+    refreshed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (type(method).__name__ == "UnquantizedEmbeddingMethod"
+                and hasattr(module, "cpu_linear")):
+            method.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed

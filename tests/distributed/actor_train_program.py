@@ -6,12 +6,12 @@ import argparse
 import torch
 
 from rlep_megatron import distributed
-from rlep_megatron.actor.export import iter_hf_tensors
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.actor.optimizer import build_optimizer, use_distributed_optimizer, wrap_ddp
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
+from rlep_megatron.weight_sync.streamer import WeightStreamer
 
 NUM_SEQUENCES = 8
 
@@ -74,14 +74,10 @@ def main():
                        is_replay[rows])
     metrics = train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(),
                                args.micro_batch_max_tokens)
-    weights = dict(iter_hf_tensors(chunks, info))
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, weights if ctx.tensor_model_parallel_rank == 0
-                                        and ctx.data_parallel_rank == 0 else {})
+    # every rank receives every HF tensor from the weight-sync stream
+    merged = {name: tensor.clone()
+              for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
     if torch.distributed.get_rank() == 0:
-        merged = {}
-        for part in gathered:
-            merged.update(part)
         torch.save({"weights": merged, "metrics": metrics, "old_logp": old_logp}, args.out)
     distributed.destroy()
 

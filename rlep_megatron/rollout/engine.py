@@ -1,0 +1,251 @@
+"""The rollout engine: vLLM in-process on every rank (``external_launcher``).
+
+The world is cut into rollout groups of ``rollout.tensor_model_parallel_size`` consecutive
+ranks; each group is one vLLM tensor-parallel engine replica (vLLM's own data-parallel rank is
+``rank // tp``). :meth:`RolloutEngine.generate` takes the same global prompt list on every rank,
+each replica samples its contiguous share, and every rank gets every response back.
+
+Weights: the engine starts from an HF directory (or with dummy weights when the first weight
+sync is what fills it) and is updated in place through vLLM's worker ``reload_weights`` (called
+by :class:`~rlep_megatron.rollout.worker_ext.RolloutWorkerExtension`), which runs the model's
+own ``load_weights`` (each rank keeps its tensor-parallel slice) and re-applies the kernels'
+weight processing (e.g. the CPU backend's GEMM packing) layer by layer. A sync that fails midway marks the engine
+stale: :meth:`generate` refuses to run until a later sync completes.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from rlep_megatron import platform
+from rlep_megatron.config import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+
+class StaleWeightsError(RuntimeError):
+    """The engine's weights are not a complete copy of any policy (a sync failed midway)."""
+
+
+@dataclass
+class Response:
+    """One sampled response."""
+
+    prompt_index: int            # index into the prompt list given to ``generate``
+    token_ids: list[int]         # includes the EOS token when the response stopped on it
+    logprobs: list[float]        # vLLM's log-prob of each sampled token (at the temperature)
+    text: str
+    finish_reason: str           # "stop" (EOS / stop token) or "length"
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+def request_seed(seed: int, prompt_index: int, n: int) -> int:
+    """Seed of one request. vLLM seeds the ``n`` samples of a request with ``seed + j``, so
+    request seeds are hashed from ``(seed, prompt index)`` and spaced ``n`` apart; the same
+    seed reproduces a batch, different prompts (and so different ranks) sample differently."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2 ** 31 - n)
+
+
+def _sleep_mode_supported() -> bool:
+    return platform.cuda_available()
+
+
+class RolloutEngine:
+    """One vLLM engine replica per rollout group; collective over the whole world."""
+
+    def __init__(self, model_dir: str, cfg: RolloutConfig, *, dtype: str = "auto",
+                 seed: int = 0, max_model_len: int = 4096, load_weights: bool = True,
+                 enforce_eager: Optional[bool] = None):
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("RolloutEngine needs torch.distributed initialised first "
+                               "(rlep_megatron.distributed.init_process_group)")
+        world = torch.distributed.get_world_size()
+        tp = cfg.tensor_model_parallel_size
+        if world % tp:
+            raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the "
+                             f"world size {world}; pick a divisor of {world}")
+        hf_config_path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(hf_config_path):
+            raise FileNotFoundError(f"rollout model directory {model_dir!r} has no config.json")
+        self.cfg = cfg
+        self.rank = torch.distributed.get_rank()
+        self.tp_size = tp
+        self.dp_size = world // tp
+        self.dp_rank = self.rank // tp
+        self.sleep_enabled = cfg.enable_sleep_mode and _sleep_mode_supported()
+        self._stale_reason: Optional[str] = None if load_weights else (
+            "it was started with dummy weights and no weight sync has completed yet")
+        self._asleep = False
+        on_cpu = not platform.cuda_available()
+        if on_cpu:
+            # vLLM's CPU backend sizes its KV cache from this variable (GiB).
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm import LLM
+
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=model_dir, dtype=dtype, seed=seed,
+            tensor_parallel_size=tp, data_parallel_size=self.dp_size,
+            distributed_executor_backend="external_launcher",
+            max_model_len=max_model_len,
+            gpu_memory_utilization=0.2 if on_cpu else cfg.gpu_memory_utilization,
+            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            enable_sleep_mode=self.sleep_enabled,
+            load_format="auto" if load_weights else "dummy",
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
+        )
+        self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+        logger.info("rollout engine ready in %.1fs (rollout TP=%d, replicas=%d)",
+                    time.perf_counter() - started, tp, self.dp_size)
+
+    # ------------------------------------------------------------------ generation
+
+    def share(self, num_prompts: int) -> range:
+        """The prompt indices this rank's replica samples (contiguous, balanced)."""
+        start = self.dp_rank * num_prompts // self.dp_size
+        stop = (self.dp_rank + 1) * num_prompts // self.dp_size
+        return range(start, stop)
+
+    def sampling_params(self, n: int, temperature: float, top_p: float, top_k: int,
+                        max_tokens: int, seed: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                              max_tokens=max_tokens, seed=seed, logprobs=0)
+
+    def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
+                 temperature: Optional[float] = None, top_p: Optional[float] = None,
+                 top_k: Optional[int] = None, max_tokens: Optional[int] = None,
+                 seed: int = 0) -> list[list[Response]]:
+        """Sample ``n`` responses for every prompt (token ids; the same list on every rank).
+        Defaults come from the rollout config. Returns, on every rank, one list of ``n``
+        responses per prompt, in prompt order."""
+        if self._stale_reason is not None:
+            raise StaleWeightsError(
+                f"refusing to generate: the engine's weights are stale because "
+                f"{self._stale_reason}. Run a complete weight sync first.")
+        if self._asleep:
+            raise RuntimeError("refusing to generate: the engine is asleep (call wake_up)")
+        cfg = self.cfg
+        n = cfg.num_samples_per_prompt if n is None else n
+        temperature = cfg.temperature if temperature is None else temperature
+        top_p = cfg.top_p if top_p is None else top_p
+        top_k = cfg.top_k if top_k is None else top_k
+        max_tokens = cfg.max_response_tokens if max_tokens is None else max_tokens
+        mine = self.share(len(prompts))
+        requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
+        params = [self.sampling_params(n, temperature, top_p, top_k, max_tokens,
+                                       request_seed(seed, i, n)) for i in mine]
+        local: list[list[Response]] = []
+        if requests:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            for index, output in zip(mine, outputs):
+                local.append([_response(index, completion) for completion in output.outputs])
+        return self._all_gather(local, len(prompts))
+
+    def _all_gather(self, local: list[list[Response]], num_prompts: int
+                    ) -> list[list[Response]]:
+        """Every replica's responses on every rank (one copy per replica is taken)."""
+        if self.dp_size == 1:
+            return local
+        gathered: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(
+            gathered, local if self.rank % self.tp_size == 0 else None)
+        merged = [group for part in gathered if part is not None for group in part]
+        if len(merged) != num_prompts:
+            raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "
+                               f"expected {num_prompts}")
+        return merged
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def stale(self) -> bool:
+        return self._stale_reason is not None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Replace the engine's weights in place from ``(hf_name, full tensor)`` pairs (every
+        rank passes the same stream; each keeps its tensor-parallel slice). Collective. On any
+        exception the engine is marked stale and the exception propagates."""
+        count = {"tensors": 0, "bytes": 0}
+
+        def counted():
+            for name, tensor in weights:
+                count["tensors"] += 1
+                count["bytes"] += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        self._stale_reason = "a weight sync was started and has not completed"
+        started = time.perf_counter()
+        try:
+            self.llm.collective_rpc("rlep_reload_weights", args=(counted(),))
+        except BaseException as err:
+            self._stale_reason = (f"the last weight sync failed after {count['tensors']} "
+                                  f"tensors with {type(err).__name__}: {err}")
+            raise
+        # cached prefixes were computed with the old weights
+        self.llm.reset_prefix_cache()
+        self._stale_reason = None
+        return {"tensors": count["tensors"], "bytes": count["bytes"],
+                "seconds": time.perf_counter() - started}
+
+    def shutdown(self) -> None:
+        """Tear the engine down. vLLM's teardown also destroys torch.distributed's default
+        process group (with the groups built on it), so call this last, before
+        :func:`rlep_megatron.distributed.destroy`. Collective; safe to call twice."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+    # ------------------------------------------------------------------ memory hand-off
+
+    def sleep(self) -> None:
+        """Release weights and KV cache while the actor trains (GPU; no-op on CPU). The weights
+        are discarded, so the next :meth:`wake_up` must be followed by a weight sync."""
+        if not self.sleep_enabled or self._asleep:
+            return
+        self.llm.sleep(level=2)
+        self._asleep = True
+        self._stale_reason = "it slept (weights released) and has not been synced since"
+
+    def wake_up(self) -> None:
+        if not self._asleep:
+            return
+        self.llm.wake_up()
+        self._asleep = False
+
+    @contextlib.contextmanager
+    def released(self):
+        """``with engine.released(): train...`` sleeps for the block and wakes after it."""
+        self.sleep()
+        try:
+            yield
+        finally:
+            self.wake_up()
+
+
+def _response(index: int, completion) -> Response:
+    token_ids = list(completion.token_ids)
+    entries = completion.logprobs or []
+    logprobs = [entry[token].logprob for entry, token in zip(entries, token_ids)]
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for "
+                           f"{len(token_ids)} sampled tokens")
+    return Response(index, token_ids, logprobs, completion.text,
+                    completion.finish_reason or "length")

@@ -1,0 +1,79 @@
+"""Train/rollout parity probe: how far vLLM's log-probs of its own samples are from the actor's
+recomputation of the same tokens. The trainer logs the mean as ``rollout/logprob_abs_diff``; a
+value that grows over training means the engine and the actor run different weights or numerics.
+
+vLLM reports log-probs after temperature scaling and top-k/top-p filtering
+(``logprobs_mode="processed_logprobs"``); the actor applies the temperature only, so compare
+with top_p=1 and top_k=-1 (the training recipes' settings) or expect the nucleus
+renormalisation to show up here.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
+from rlep_megatron.actor.model import ActorModelInfo
+
+
+def logprob_abs_diff(engine_logprobs: Sequence[Sequence[float]], actor_logp: torch.Tensor,
+                     prompt_lengths: Sequence[int]) -> dict[str, float]:
+    """Mean / max |engine - actor| over every response token.
+
+    Args:
+        engine_logprobs: per sequence, the engine's log-prob of each response token.
+        actor_logp: ``[n, seq]`` where column t is the actor's log-prob of token t of the
+            sequence ``prompt + response`` given its prefix (:func:`sequence_logprobs`).
+        prompt_lengths: prompt length of each sequence.
+    """
+    if len(engine_logprobs) != actor_logp.shape[0] or len(prompt_lengths) != len(engine_logprobs):
+        raise ValueError(f"{len(engine_logprobs)} engine rows, {actor_logp.shape[0]} actor rows "
+                         f"and {len(prompt_lengths)} prompt lengths must agree")
+    diffs = []
+    for row, (engine, start) in enumerate(zip(engine_logprobs, prompt_lengths)):
+        if not engine:
+            continue
+        actor = actor_logp[row, start:start + len(engine)].to(torch.float64)
+        if actor.numel() != len(engine):
+            raise ValueError(f"row {row}: {len(engine)} response tokens do not fit in the "
+                             f"actor's {actor_logp.shape[1]} columns after a {start}-token prompt")
+        diffs.append((actor - torch.tensor(engine, dtype=torch.float64)).abs())
+    if not diffs:
+        return {"mean": 0.0, "max": 0.0, "tokens": 0}
+    flat = torch.cat(diffs)
+    return {"mean": flat.mean().item(), "max": flat.max().item(), "tokens": int(flat.numel())}
+
+
+def actor_logprobs_everywhere(chunks: list[torch.nn.Module], info: ActorModelInfo,
+                              sequences: Sequence[Sequence[int]], pad_id: int,
+                              micro_batch_size: int = 8, temperature: float = 1.0
+                              ) -> torch.Tensor:
+    """The actor's per-token log-probs of ``sequences`` on every rank (computed on the last
+    pipeline stage and broadcast over the pipeline group). Collective."""
+    from megatron.core import parallel_state as ps
+
+    input_ids, _ = pad_sequences([list(s) for s in sequences], pad_id=pad_id)
+    result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=micro_batch_size,
+                               temperature=temperature)
+    logp: Optional[torch.Tensor] = None if result is None else result["logp"]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        device = next(chunks[0].parameters()).device
+        buf = (logp.to(device, torch.float32) if logp is not None
+               else torch.empty(input_ids.shape, dtype=torch.float32, device=device))
+        torch.distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
+        logp = buf.cpu()
+    return logp
+
+
+def probe(chunks: list[torch.nn.Module], info: ActorModelInfo, prompts: Sequence[Sequence[int]],
+          responses, pad_id: int, temperature: float = 1.0, micro_batch_size: int = 8
+          ) -> dict[str, float]:
+    """Parity of a rollout's responses (``RolloutEngine.generate`` output for ``prompts``)."""
+    flat = [r for group in responses for r in group]
+    sequences = [list(prompts[r.prompt_index]) + r.token_ids for r in flat]
+    logp = actor_logprobs_everywhere(chunks, info, sequences, pad_id, micro_batch_size,
+                                     temperature)
+    return logprob_abs_diff([r.logprobs for r in flat], logp,
+                            [len(prompts[r.prompt_index]) for r in flat])

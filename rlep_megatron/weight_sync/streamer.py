@@ -1,0 +1,197 @@
+"""Stream the actor's sharded weights, as full HF-named tensors, to every rank, in buckets.
+
+Any actor TP/PP(/VPP) layout feeds any rollout layout: every rank ends up seeing every HF tensor
+once (vLLM's ``load_weights`` keeps its own tensor-parallel slice of each), while holding no
+more than its own shard plus one bucket in flight.
+
+Per bucket (a run of whole mapping rules of one pipeline stage, at most ``bucket_bytes`` of HF
+tensors unless one rule alone is larger):
+
+1. the owning stage's TP ranks pack their local shards of the bucket's TP-split parameters into
+   one flat buffer and all-gather it once over the tensor-parallel group;
+2. the owner re-lays the gathered shards out as HF tensors with the conversion tools' mapping
+   tables (qkv split, gate/up split, vocabulary padding removed, tied output skipped);
+3. with PP > 1 the owner packs those tensors into one flat buffer and broadcasts it over the
+   pipeline group; the other stages unpack views of the same buffer.
+
+Buffers are fresh per bucket and never reused, so a consumer may keep references to the
+tensors it was given (vLLM's layer-wise reload buffers a layer's tensors until it is complete).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from rlep_megatron.actor.model import ActorModelInfo, iter_params_with_rules
+from rlep_megatron.checkpoint import architecture_for, layout
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor produced by a rule."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class RuleEntry:
+    """One megatron parameter of a stage and the HF tensors it becomes."""
+
+    index: int          # position in the owning rank's parameter list
+    dtype: str
+    local_shape: tuple[int, ...]
+    tp_split: bool      # shards differ across TP ranks (gathered) or are replicated
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.numel for o in self.outputs) * _DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    stage: int
+    dtype: str
+    entries: tuple[RuleEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def plan_buckets(stage_entries: list[list[RuleEntry]], bucket_bytes: int) -> list[Bucket]:
+    """Group each stage's entries, in order, into buckets of one dtype and at most
+    ``bucket_bytes`` (a single larger entry gets a bucket of its own). Pure and deterministic,
+    so every rank computes the same plan from the same metadata."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket size must be >= 1 byte, got {bucket_bytes}")
+    buckets = []
+    for stage, entries in enumerate(stage_entries):
+        current: list[RuleEntry] = []
+        size = 0
+        for entry in entries:
+            if current and (entry.dtype != current[0].dtype or size + entry.nbytes > bucket_bytes):
+                buckets.append(Bucket(stage, current[0].dtype, tuple(current)))
+                current, size = [], 0
+            current.append(entry)
+            size += entry.nbytes
+        if current:
+            buckets.append(Bucket(stage, current[0].dtype, tuple(current)))
+    return buckets
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+class WeightStreamer:
+    """The source side of weight sync for one rank. Build it once after the model (the plan is
+    cached; parameters are read afresh on every :meth:`iter_tensors`)."""
+
+    def __init__(self, chunks: list[torch.nn.Module], info: ActorModelInfo,
+                 bucket_bytes: int = 512 * 1024 * 1024):
+        from megatron.core import parallel_state as ps
+
+        self.info = info
+        self.bucket_bytes = int(bucket_bytes)
+        self._tp_group = ps.get_tensor_model_parallel_group()
+        self._tp_size = ps.get_tensor_model_parallel_world_size()
+        self._pp_group = ps.get_pipeline_model_parallel_group()
+        self._pp_size = ps.get_pipeline_model_parallel_world_size()
+        self._pp_rank = ps.get_pipeline_model_parallel_rank()
+        self._pp_ranks = (torch.distributed.get_process_group_ranks(self._pp_group)
+                          if self._pp_size > 1 else [torch.distributed.get_rank()])
+        rules = architecture_for(info.hf_config).rules(info.hf_config)
+        tied = bool(info.hf_config.get("tie_word_embeddings"))
+        self._params: list[tuple[torch.nn.Parameter, layout.ParamRule, Optional[int]]] = []
+        own: list[RuleEntry] = []
+        for chunk in chunks:
+            for _, param, rule, layer in iter_params_with_rules(_unwrap(chunk), rules):
+                if tied and rule.mcore_name == "output_layer.weight":
+                    continue  # vLLM ties lm_head to the embedding itself
+                tp_split = rule.tp_dim is not None and self._tp_size > 1
+                meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                full = layout.gather(rule, [meta] * (self._tp_size if tp_split else 1))
+                outputs = tuple(
+                    TensorSpec(name.format(layer=layer), tuple(t.shape))
+                    for name, t in zip(rule.hf_names, layout.full_to_hf(rule, full, info.dims)))
+                own.append(RuleEntry(len(self._params), str(param.dtype), tuple(param.shape),
+                                     tp_split, outputs))
+                self._params.append((param, rule, layer))
+        if self._pp_size > 1:
+            gathered: list = [None] * self._pp_size
+            torch.distributed.all_gather_object(gathered, own, group=self._pp_group)
+            self.stage_entries: list[list[RuleEntry]] = gathered
+        else:
+            self.stage_entries = [own]
+        self.buckets = plan_buckets(self.stage_entries, self.bucket_bytes)
+
+    @property
+    def names(self) -> list[str]:
+        """Every HF tensor name the stream yields, in order."""
+        return [o.name for b in self.buckets for e in b.entries for o in e.outputs]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    def _device(self) -> torch.device:
+        return self._params[0][0].device if self._params else torch.device("cpu")
+
+    def _gather_bucket(self, bucket: Bucket) -> list[torch.Tensor]:
+        """The owner stage's HF tensors of a bucket (collective over the TP group)."""
+        dtype = _DTYPES[bucket.dtype]
+        split = [e for e in bucket.entries if e.tp_split]
+        gathered: dict[int, list[torch.Tensor]] = {}
+        if split:
+            sizes = [math.prod(e.local_shape) for e in split]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self._device())
+            for entry, piece in zip(split, torch.split(flat, sizes)):
+                piece.copy_(self._params[entry.index][0].detach().reshape(-1))
+            out = torch.empty(self._tp_size * flat.numel(), dtype=dtype, device=flat.device)
+            torch.distributed.all_gather(list(out.chunk(self._tp_size)), flat,
+                                         group=self._tp_group)
+            del flat
+            for rank_buf in out.chunk(self._tp_size):
+                for entry, piece in zip(split, torch.split(rank_buf, sizes)):
+                    gathered.setdefault(entry.index, []).append(piece.view(entry.local_shape))
+        tensors = []
+        for entry in bucket.entries:
+            param, rule, _ = self._params[entry.index]
+            shards = gathered.get(entry.index) or [param.detach()]
+            full = layout.gather(rule, shards)
+            tensors.extend(layout.full_to_hf(rule, full, self.info.dims))
+        return tensors
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` for every HF tensor of the model, on every rank, in the
+        same order. Collective over the TP and PP groups: every rank must drain it."""
+        device = self._device()
+        for bucket in self.buckets:
+            specs = [o for e in bucket.entries for o in e.outputs]
+            if self._pp_size == 1:
+                for spec, tensor in zip(specs, self._gather_bucket(bucket)):
+                    yield spec.name, tensor
+                continue
+            flat = torch.empty(sum(s.numel for s in specs), dtype=_DTYPES[bucket.dtype],
+                               device=device)
+            pieces = torch.split(flat, [s.numel for s in specs])
+            if bucket.stage == self._pp_rank:
+                for piece, tensor in zip(pieces, self._gather_bucket(bucket)):
+                    piece.copy_(tensor.reshape(-1))
+            torch.distributed.broadcast(flat, src=self._pp_ranks[bucket.stage],
+                                        group=self._pp_group)
+            for spec, piece in zip(specs, pieces):
+                yield spec.name, piece.view(spec.shape)

@@ -1,0 +1,69 @@
+"""Pure parts of weight sync and rollout: the bucket plan, request seeds, the parity probe's
+arithmetic (no vLLM, no torch.distributed)."""
+import math
+
+import pytest
+import torch
+
+from rlep_megatron.rollout.engine import request_seed
+from rlep_megatron.rollout.parity import logprob_abs_diff
+from rlep_megatron.weight_sync.streamer import RuleEntry, TensorSpec, plan_buckets
+
+pytestmark = pytest.mark.unit
+
+
+def entry(index, numel, dtype="torch.float32"):
+    return RuleEntry(index, dtype, (numel,), False, (TensorSpec(f"t{index}", (numel,)),))
+
+
+def test_buckets_respect_size_dtype_and_order():
+    stage0 = [entry(0, 10), entry(1, 10), entry(2, 10), entry(3, 100), entry(4, 5, "torch.bfloat16"),
+              entry(5, 5, "torch.bfloat16")]
+    stage1 = [entry(0, 3), entry(1, 3)]
+    buckets = plan_buckets([stage0, stage1], bucket_bytes=80)
+    layout = [(b.stage, b.dtype, [e.index for e in b.entries]) for b in buckets]
+    assert layout == [
+        (0, "torch.float32", [0, 1]),          # 80 bytes: full
+        (0, "torch.float32", [2]),             # the next one would overflow with entry 3
+        (0, "torch.float32", [3]),             # 400 bytes alone: larger than a bucket
+        (0, "torch.bfloat16", [4, 5]),         # dtype change starts a bucket
+        (1, "torch.float32", [0, 1]),          # stages never share a bucket
+    ]
+    assert sum(b.nbytes for b in buckets) == 4 * (10 + 10 + 10 + 100 + 3 + 3) + 2 * 10
+    # every bucket fits unless it holds a single oversized entry
+    assert all(b.nbytes <= 80 or len(b.entries) == 1 for b in buckets)
+
+
+def test_bucket_bytes_must_be_positive():
+    with pytest.raises(ValueError, match="bucket size"):
+        plan_buckets([[entry(0, 1)]], 0)
+
+
+def test_request_seeds_are_reproducible_and_leave_room_for_n_samples():
+    n = 16
+    seeds = [request_seed(7, i, n) for i in range(2000)]
+    assert seeds == [request_seed(7, i, n) for i in range(2000)]
+    assert seeds != [request_seed(8, i, n) for i in range(2000)]
+    assert all(0 <= s < 2 ** 31 - n for s in seeds)
+    # vLLM seeds sample j of a request with seed + j: no two requests' ranges overlap here
+    spans = sorted(seeds)
+    assert min(b - a for a, b in zip(spans, spans[1:])) >= n
+
+
+def test_logprob_abs_diff_matches_hand_computation():
+    # two sequences: prompt lengths 2 and 3; the actor's column t is token t's log-prob
+    actor = torch.tensor([[0.0, -9.0, -1.0, -2.0, -3.0],
+                          [0.0, -9.0, -9.0, -0.5, -9.0]])
+    engine = [[-1.1, -2.0, -2.5], [-0.25]]
+    result = logprob_abs_diff(engine, actor, [2, 3])
+    expected = [0.1, 0.0, 0.5, 0.25]
+    assert result["tokens"] == 4
+    assert math.isclose(result["mean"], sum(expected) / 4, rel_tol=1e-12)
+    assert math.isclose(result["max"], 0.5, rel_tol=1e-12)
+
+
+def test_logprob_abs_diff_rejects_misaligned_input():
+    with pytest.raises(ValueError, match="do not fit"):
+        logprob_abs_diff([[-1.0, -1.0, -1.0]], torch.zeros(1, 4), [2])
+    with pytest.raises(ValueError, match="must agree"):
+        logprob_abs_diff([[-1.0]], torch.zeros(2, 4), [2])

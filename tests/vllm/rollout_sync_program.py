@@ -1,0 +1,151 @@
+"""Torchrun program: a vLLM rollout engine on every rank (rollout TP ``--rollout-tp``) fed by
+Megatron actors of several TP x PP layouts in turn, through the weight-sync stream.
+
+For each actor layout: build the actor from the HF checkpoint, take one optimizer step so its
+weights differ from what the engine holds, sync, sample, probe parity; take another step, sync,
+sample with the same seed and compare. With ``--fail-sync`` the last layout also interrupts a
+sync midway and checks the engine refuses to generate until a complete sync. Rank 0 writes a
+JSON report to ``--out``; the pytest side asserts on it.
+"""
+import argparse
+import json
+
+import torch
+
+from rlep_megatron import distributed
+from rlep_megatron.actor.forward import pad_sequences
+from rlep_megatron.actor.model import build_from_hf
+from rlep_megatron.actor.optimizer import build_optimizer, use_distributed_optimizer, wrap_ddp
+from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
+from rlep_megatron.checkpoint.hf_io import load_hf_config
+from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig, RolloutConfig
+from rlep_megatron.rollout import RolloutEngine, StaleWeightsError
+from rlep_megatron.rollout.parity import actor_logprobs_everywhere, probe
+from rlep_megatron.weight_sync import WeightStreamer, sync_weights
+
+PAD = 256
+PROMPTS = ["What is 12+7?", "Compute 3*(4+5).", "Name a prime above 10.", "2^5 = ?"]
+
+
+def chat(text: str) -> list[int]:
+    return [257] + list(f"user\n{text}".encode()) + [258, 257] + list(b"assistant\n")
+
+
+def take_step(chunks, optimizer, info, ctx, prompts, responses, seed):
+    """One policy-gradient step on the sampled responses with random-sign advantages."""
+    flat = [r for group in responses for r in group]
+    sequences = [prompts[r.prompt_index] + r.token_ids for r in flat]
+    input_ids, lengths = pad_sequences(sequences, pad_id=PAD)
+    starts = torch.tensor([len(prompts[r.prompt_index]) for r in flat])
+    positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+    mask = ((positions >= starts[:, None]) & (positions < lengths[:, None])).float()
+    old = actor_logprobs_everywhere(chunks, info, sequences, PAD)
+    advantages = torch.randn(len(flat), generator=torch.Generator().manual_seed(seed)) * 2
+    rows = slice(ctx.data_parallel_rank * len(flat) // ctx.data_parallel_size,
+                 (ctx.data_parallel_rank + 1) * len(flat) // ctx.data_parallel_size)
+    batch = TrainBatch(input_ids[rows], mask[rows], old[rows], advantages[rows],
+                       torch.zeros(len(flat), dtype=torch.bool)[rows])
+    return train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(), 4096)
+
+
+def common_prefix_diffs(before, after):
+    """|after - before| of the engine's log-probs on tokens both samplings share."""
+    diffs = []
+    for group_a, group_b in zip(before, after):
+        for a, b in zip(group_a, group_b):
+            for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+                if ta != tb:
+                    break
+                diffs.append(abs(la - lb))
+    return diffs
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--rollout-tp", type=int, default=1)
+    parser.add_argument("--layouts", default="1x1", help="comma-separated actor TPxPP")
+    parser.add_argument("--bucket-bytes", type=int, default=96 * 1024)
+    parser.add_argument("--fail-sync", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    hf_config = load_hf_config(args.hf_dir)
+    distributed.init_process_group()
+    rank = torch.distributed.get_rank()
+    cfg = RolloutConfig(num_samples_per_prompt=2, tensor_model_parallel_size=args.rollout_tp,
+                        max_response_tokens=20, temperature=1.0)
+    engine = RolloutEngine(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=128)
+    prompts = [chat(p) for p in PROMPTS]
+    report = {"rollout_dp": engine.dp_size, "layouts": {}}
+
+    # reproducibility and per-prompt (so per-replica) sampling
+    first = engine.generate(prompts, seed=11)
+    again = engine.generate(prompts, seed=11)
+    other = engine.generate(prompts, seed=12)
+    same_prompt = engine.generate([prompts[0]] * 4, seed=11)
+    tokens = lambda rs: [[r.token_ids for r in g] for g in rs]  # noqa: E731
+    report["reproducible"] = tokens(first) == tokens(again)
+    report["seed_changes_samples"] = tokens(first) != tokens(other)
+    report["same_prompt_distinct_groups"] = len({json.dumps(g) for g in tokens(same_prompt)})
+    report["finish_reasons"] = sorted({r.finish_reason for g in first for r in g})
+    report["eos_token_id"] = engine.eos_token_id
+
+    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    for number, (tp, pp) in enumerate(layouts):
+        ctx = distributed.init_model_parallel(
+            ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+            seed=number, num_attention_heads=hf_config["num_attention_heads"],
+            num_query_groups=hf_config["num_key_value_heads"],
+            num_layers=hf_config["num_hidden_layers"])
+        chunks, info = build_from_hf(args.hf_dir, "float32")
+        optim_cfg = OptimConfig(lr=2e-2, lr_warmup_steps=0, weight_decay=0.0, clip_grad=1.0)
+        chunks = wrap_ddp(chunks, use_distributed_optimizer(optim_cfg))
+        optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
+        streamer = WeightStreamer(chunks, info, args.bucket_bytes)
+        entry = {"buckets": len(streamer.buckets), "tensors": len(streamer.names)}
+        # the engine holds the previous layout's (or the checkpoint's) weights: step away first
+        take_step(chunks, optimizer, info, ctx, prompts, first, seed=100 + number)
+        entry["sync1"] = sync_weights(engine, streamer)
+        before = engine.generate(prompts, seed=21 + number)
+        entry["parity_before"] = probe(chunks, info, prompts, before, PAD)
+        take_step(chunks, optimizer, info, ctx, prompts, before, seed=200 + number)
+        entry["sync2"] = sync_weights(engine, streamer)
+        after = engine.generate(prompts, seed=21 + number)
+        entry["parity_after"] = probe(chunks, info, prompts, after, PAD)
+        diffs = common_prefix_diffs(before, after)
+        entry["moved_tokens"] = len(diffs)
+        entry["moved_mean_abs"] = sum(diffs) / max(len(diffs), 1)
+
+        if args.fail_sync and number == len(layouts) - 1:
+            def broken():
+                for i, item in enumerate(streamer.iter_tensors()):
+                    if i == len(streamer.names) // 2:
+                        raise ConnectionError("simulated loss of the weight stream")
+                    yield item
+            try:
+                engine.load_weights(broken())
+                entry["fail_raised"] = None
+            except ConnectionError as err:
+                entry["fail_raised"] = str(err)
+            try:
+                engine.generate(prompts, seed=1)
+                entry["stale_refused"] = None
+            except StaleWeightsError as err:
+                entry["stale_refused"] = str(err)
+            sync_weights(engine, streamer)
+            recovered = engine.generate(prompts, seed=31)
+            entry["parity_recovered"] = probe(chunks, info, prompts, recovered, PAD)
+        report["layouts"][f"{tp}x{pp}"] = entry
+        if rank == 0:
+            print(f"layout TP{tp}xPP{pp}: {json.dumps(entry)}", flush=True)
+
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    torch.distributed.barrier()
+    engine.shutdown()
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
