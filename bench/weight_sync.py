@@ -79,7 +79,8 @@ def write_model_dir(directory: str, hidden: int, layers: int, vocab: int) -> dic
     config.update(hidden_size=hidden, intermediate_size=int(hidden * 2.75),
                   num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
-                  tie_word_embeddings=False, dtype="float32", torch_dtype="float32")
+                  layer_types=["full_attention"] * layers, tie_word_embeddings=False,
+                  dtype="float32")
     json.dump(config, open(os.path.join(directory, "config.json"), "w"), indent=1)
     return config
 

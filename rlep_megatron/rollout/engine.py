@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import logging
 import os
 import time
@@ -79,6 +80,11 @@ class RolloutEngine:
         hf_config_path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(hf_config_path):
             raise FileNotFoundError(f"rollout model directory {model_dir!r} has no config.json")
+        with open(hf_config_path) as f:
+            heads = json.load(f).get("num_attention_heads")
+        if heads and heads % tp:
+            raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the "
+                             f"model's {heads} attention heads")
         self.cfg = cfg
         self.rank = torch.distributed.get_rank()
         self.tp_size = tp
