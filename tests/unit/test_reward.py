@@ -137,7 +137,8 @@ def test_pool_times_out_a_hang_without_stalling_the_batch():
     start = time.monotonic()
     results = pool.score(requests)
     elapsed = time.monotonic() - start
-    assert elapsed < timeout_s + 1.0
+    # the tower alone takes minutes; slack covers worker start-up and a restart on a busy machine
+    assert elapsed < timeout_s + 4.0
     assert results[150] == {"score": -1.0, "acc": False, "pred": "", "timed_out": True}
     others = results[:150] + results[151:]
     assert [r["acc"] for r in others] == [bool(i % 3) for i in range(300)]
