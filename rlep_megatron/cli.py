@@ -5,6 +5,8 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
 
 * ``rlep config [--config F] [overrides...] [--keys]``: validate a recipe and print the resolved
   configuration as YAML (``--keys`` lists every valid ``section.key``).
+* ``rlep train --config F [overrides...]``: the RL loop (baseline DAPO/GRPO, or RLEP when
+  ``replay.num_replays_per_prompt`` > 0); resumes from ``checkpoint.resume``.
 """
 from __future__ import annotations
 
@@ -37,6 +39,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rlep_megatron.trainer import run_train
+
+    cfg = config_lib.load_config(args.config, args.overrides)
+    out = run_train(cfg)
+    logger.info("training finished: %s", out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlep", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p_config)
     p_config.add_argument("--keys", action="store_true", help="list every valid section.key")
     p_config.set_defaults(func=_cmd_config)
+    p_train = sub.add_parser("train", help="run RL training (baseline or RLEP)")
+    _add_common(p_train)
+    p_train.set_defaults(func=_cmd_train)
     return parser
 
 

@@ -21,8 +21,8 @@ CUDA assumptions hold on CPU:
 
 The shim is active only when CUDA is absent (:func:`cuda_available` is false) and is idempotent.
 
-vLLM's CPU backend has one quirk that weight sync must work around, also kept here:
-:func:`refresh_vllm_cpu_embedding_kernels`.
+vLLM's CPU backend needs a few settings and one fix-up, also kept here:
+:func:`vllm_cpu_engine_settings` and :func:`refresh_vllm_cpu_embedding_kernels`.
 """
 from __future__ import annotations
 
@@ -448,3 +448,24 @@ def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module) -> int:
             method.process_weights_after_loading(module)
             refreshed += 1
     return refreshed
+
+
+def vllm_cpu_engine_settings(max_model_len: int) -> dict:
+    """Extra ``vllm.LLM`` arguments on vLLM's CPU backend (empty with CUDA); also sets the KV
+    cache size variable the CPU backend reads (GiB) unless the user set it.
+
+    * the CPU backend refuses the default ``gpu_memory_utilization`` on small machines;
+    * CUDA graphs do not exist on CPU (``enforce_eager``);
+    * chunked prefill is off and every prompt fits one scheduler step: a partially prefilled
+      request has its sampled token discarded, and vLLM then rewinds the request's seeded
+      generator with ``set_offset``, which CPU generators do not support ("CPU Generator does
+      not use offset"). Rollouts always use per-request seeds.
+    """
+    if cuda_available():
+        return {}
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return {"gpu_memory_utilization": 0.2, "enforce_eager": True,
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(int(max_model_len), 8192)}

@@ -180,6 +180,30 @@ def build_from_hf(hf_dir: str, params_dtype: str = "auto",
     return chunks, info
 
 
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP wrapper (or the chunk itself)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    """Sharded state of this rank's chunks for ``dist_checkpointing`` (``model0``, ``model1``,
+    ... with virtual pipeline stages, as megatron's own training checkpoints)."""
+    if len(chunks) == 1:
+        return unwrap(chunks[0]).sharded_state_dict()
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def load_model_state_dict(chunks: list[torch.nn.Module], state: dict) -> None:
+    """Inverse of :func:`model_sharded_state_dict` once ``dist_checkpointing.load`` filled it."""
+    if len(chunks) == 1:
+        unwrap(chunks[0]).load_state_dict(state)
+        return
+    for i, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(state[f"model{i}"])
+
+
 def load_mcore_weights(chunks: list[torch.nn.Module], mcore_dir: str) -> None:
     """Load a megatron-core dist checkpoint (any saved layout) into this rank's chunks."""
     import os

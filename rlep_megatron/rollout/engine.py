@@ -94,22 +94,21 @@ class RolloutEngine:
         self._stale_reason: Optional[str] = None if load_weights else (
             "it was started with dummy weights and no weight sync has completed yet")
         self._asleep = False
-        on_cpu = not platform.cuda_available()
-        if on_cpu:
-            # vLLM's CPU backend sizes its KV cache from this variable (GiB).
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
         started = time.perf_counter()
+        settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
+        settings.update(platform.vllm_cpu_engine_settings(max_model_len))
+        if enforce_eager is not None:
+            settings["enforce_eager"] = enforce_eager
         self.llm = LLM(
             model=model_dir, dtype=dtype, seed=seed,
             tensor_parallel_size=tp, data_parallel_size=self.dp_size,
             distributed_executor_backend="external_launcher",
             max_model_len=max_model_len,
-            gpu_memory_utilization=0.2 if on_cpu else cfg.gpu_memory_utilization,
-            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             enable_sleep_mode=self.sleep_enabled,
+            **settings,
             load_format="auto" if load_weights else "dummy",
             logprobs_mode="processed_logprobs",
             worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",

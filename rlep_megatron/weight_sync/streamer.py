@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from rlep_megatron.actor.model import ActorModelInfo, iter_params_with_rules
+from rlep_megatron.actor.model import ActorModelInfo, iter_params_with_rules, unwrap
 from rlep_megatron.checkpoint import architecture_for, layout
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
@@ -90,12 +90,6 @@ def plan_buckets(stage_entries: list[list[RuleEntry]], bucket_bytes: int) -> lis
     return buckets
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 class WeightStreamer:
     """The source side of weight sync for one rank. Build it once after the model (the plan is
     cached; parameters are read afresh on every :meth:`iter_tensors`)."""
@@ -118,7 +112,7 @@ class WeightStreamer:
         self._params: list[tuple[torch.nn.Parameter, layout.ParamRule, Optional[int]]] = []
         own: list[RuleEntry] = []
         for chunk in chunks:
-            for _, param, rule, layer in iter_params_with_rules(_unwrap(chunk), rules):
+            for _, param, rule, layer in iter_params_with_rules(unwrap(chunk), rules):
                 if tied and rule.mcore_name == "output_layer.weight":
                     continue  # vLLM ties lm_head to the embedding itself
                 tp_split = rule.tp_dim is not None and self._tp_size > 1

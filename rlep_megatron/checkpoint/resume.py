@@ -1,0 +1,178 @@
+"""Training checkpoints and exact resume.
+
+Layout under ``<trainer.output_dir>/checkpoints/``::
+
+    step_00000010/
+        dist/              megatron-core dist checkpoint: model and optimizer state (torch_dist;
+                           loads at any TP/PP)
+        trainer_state.pt   step, prompt sampler, replay sampler, optimizer counters, RNG states
+        meta.json          written last: step, model fingerprint, "complete": true
+
+A checkpoint is written into ``.step_XXXXXXXX.partial`` and renamed when every part is on disk,
+so a process killed mid-save leaves the previous checkpoint as the newest complete one. After a
+successful save only the newest ``checkpoint.keep_last`` are kept. ``checkpoint.resume=auto``
+loads the newest complete checkpoint, ``never`` starts from the model, any other value is a
+checkpoint directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+_FINGERPRINT_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "vocab_size",
+                     "tie_word_embeddings")
+
+
+def model_fingerprint(hf_config: dict) -> dict:
+    """The shape-defining fields of an HF config: checkpoints of another model are refused."""
+    return {key: hf_config.get(key) for key in _FINGERPRINT_KEYS}
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of complete checkpoints under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_RE.match(name)
+        path = os.path.join(root, name)
+        meta = os.path.join(path, "meta.json")
+        if match and os.path.isfile(meta):
+            try:
+                with open(meta) as f:
+                    if json.load(f).get("complete"):
+                        found.append((int(match.group(1)), path))
+            except (OSError, json.JSONDecodeError):
+                logger.warning("ignoring checkpoint %s: unreadable meta.json", path)
+    return sorted(found)
+
+
+class CheckpointManager:
+    def __init__(self, cfg, hf_config: dict):
+        self.cfg = cfg
+        self.root = os.path.join(cfg.trainer.output_dir, "checkpoints")
+        self.fingerprint = model_fingerprint(hf_config)
+
+    def _resume_path(self) -> Optional[str]:
+        mode = self.cfg.checkpoint.resume
+        if mode == "never":
+            return None
+        if mode == "auto":
+            found = list_checkpoints(self.root)
+            return found[-1][1] if found else None
+        if not os.path.isfile(os.path.join(mode, "meta.json")):
+            raise FileNotFoundError(f"checkpoint.resume={mode!r} is not a complete checkpoint "
+                                    "directory (no meta.json); use auto, never or a "
+                                    "checkpoints/step_XXXXXXXX directory")
+        return mode
+
+    def check_output_dir(self) -> None:
+        """Refuse, before any expensive work, an output dir whose checkpoints belong to another
+        model."""
+        for _, path in list_checkpoints(self.root):
+            with open(os.path.join(path, "meta.json")) as f:
+                theirs = json.load(f).get("model")
+            if theirs != self.fingerprint:
+                diff = {k: (theirs or {}).get(k) for k in self.fingerprint
+                        if (theirs or {}).get(k) != self.fingerprint[k]}
+                raise ValueError(
+                    f"trainer.output_dir={self.cfg.trainer.output_dir!r} holds checkpoint "
+                    f"{path} of another model (differs in {sorted(diff)}: {diff} vs "
+                    f"{ {k: self.fingerprint[k] for k in diff} }); choose a new output_dir")
+        path = self._resume_path()
+        if path is not None:
+            with open(os.path.join(path, "meta.json")) as f:
+                if json.load(f).get("model") != self.fingerprint:
+                    raise ValueError(f"checkpoint {path} is of another model than "
+                                     f"model.hf_dir={self.cfg.model.hf_dir!r}")
+
+    # ------------------------------------------------------------------ state
+
+    @staticmethod
+    def _sharded_state(trainer, is_loading: bool = False) -> dict:
+        from rlep_megatron.actor.model import model_sharded_state_dict
+
+        model = model_sharded_state_dict(trainer.chunks)
+        # when loading, megatron first creates the (lazily built) Adam state to load into
+        optimizer = trainer.optimizer.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        return {"model": model, "optimizer": optimizer}
+
+    @staticmethod
+    def _trainer_state(trainer) -> dict:
+        return {
+            "step": trainer.step,
+            "sampler": trainer.sampler.state_dict(),
+            "replay_sampler": (trainer.replay_sampler.state_dict()
+                               if trainer.replay_sampler else None),
+            "optimizer_counters": trainer.optimizer.state_dict(),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state()},
+        }
+
+    def save(self, trainer) -> str:
+        from megatron.core import dist_checkpointing
+
+        name = f"step_{trainer.step:08d}"
+        final = os.path.join(self.root, name)
+        partial = os.path.join(self.root, f".{name}.partial")
+        rank0 = torch.distributed.get_rank() == 0
+        if rank0:
+            os.makedirs(self.root, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(os.path.join(partial, "dist"))
+        torch.distributed.barrier()
+        dist_checkpointing.save(self._sharded_state(trainer), os.path.join(partial, "dist"))
+        torch.distributed.barrier()
+        if rank0:
+            torch.save(self._trainer_state(trainer), os.path.join(partial, "trainer_state.pt"))
+            meta = {"step": trainer.step, "model": self.fingerprint, "complete": True}
+            with open(os.path.join(partial, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.isdir(final):
+                shutil.rmtree(final)
+            os.replace(partial, final)
+            for _, old in list_checkpoints(self.root)[:-self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            logger.info("saved checkpoint %s", final)
+        torch.distributed.barrier()
+        return final
+
+    def maybe_resume(self, trainer) -> bool:
+        """Load the checkpoint chosen by ``checkpoint.resume`` into the trainer; False when
+        starting fresh."""
+        from megatron.core import dist_checkpointing
+
+        path = self._resume_path()
+        if path is None:
+            return False
+        sharded = self._sharded_state(trainer, is_loading=True)
+        state = dist_checkpointing.load(sharded, os.path.join(path, "dist"))
+        from rlep_megatron.actor.model import load_model_state_dict
+
+        load_model_state_dict(trainer.chunks, state["model"])
+        trainer.optimizer.optimizer.load_state_dict(state["optimizer"])
+        extra = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        trainer.step = int(extra["step"])
+        trainer.sampler.load_state_dict(extra["sampler"])
+        if trainer.replay_sampler is not None and extra["replay_sampler"] is not None:
+            trainer.replay_sampler.load_state_dict(extra["replay_sampler"])
+        trainer.optimizer.load_state_dict(extra["optimizer_counters"])
+        random.setstate(extra["rng"]["python"])
+        np.random.set_state(extra["rng"]["numpy"])
+        torch.set_rng_state(extra["rng"]["torch"])
+        logger.info("resumed from %s (step %d)", path, trainer.step)
+        return True

@@ -1,0 +1,493 @@
+"""The RL loop (RLEP_SPEC.md section 3), ``rlep train``.
+
+One training step, one named and timed call per phase:
+
+    rollout      G fresh responses per prompt from the in-process vLLM engine
+    replay       M pool answers appended to each group that has a pool (G' = G + M)
+    reward       every response scored (replays too) + overlong shaping
+    advantage    per group over G' (mean / unbiased std + eps)
+    old_logprob  the actor recomputes log-probs of every response (and the parity probe)
+    train        one epoch of mini-batch updates
+    weight_sync  the new weights streamed into the engine
+    validate     every ``trainer.validation_interval_steps``
+    checkpoint   every ``checkpoint.save_interval_steps`` and at the end
+
+Every rank holds the same global batch (prompts, responses, rewards); the engine's replicas
+split the generation, actor data-parallel ranks split the sequences of each mini-batch, and
+reward scoring is split over all ranks. Features are chosen when the trainer is built (replay
+on when M > 0 and a pool exists; dynamic sampling from ``algo.dynamic_sampling``); the loop has
+no feature flags inside.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rlep_megatron import distributed
+from rlep_megatron.config import RunConfig, dump_config
+
+logger = logging.getLogger(__name__)
+
+FRESH, REPLAY = "fresh", "replay"
+
+
+@dataclass
+class Sequence:
+    """One response of a group, fresh or replayed."""
+
+    group: int                   # index of its prompt in the step's batch
+    token_ids: list[int]
+    text: str
+    source: str                  # fresh | replay
+    engine_logprobs: Optional[list[float]] = None
+    finish_reason: str = "stop"
+    score: float = 0.0
+    acc: bool = False
+    reward: float = 0.0
+    advantage: float = 0.0
+
+
+@dataclass
+class StepBatch:
+    rows: list[int]                          # training-file rows of the groups
+    prompts: list[list[int]]                 # prompt token ids per group
+    sequences: list[Sequence] = field(default_factory=list)
+    generation_rounds: int = 1
+
+
+class Timer:
+    """``with timer.phase("rollout"): ...`` records ``timing/rollout_s``."""
+
+    def __init__(self):
+        self.values: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.values[f"timing/{name}_s"] = (self.values.get(f"timing/{name}_s", 0.0)
+                                               + time.perf_counter() - start)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        from rlep_megatron.checkpoint.hf_io import load_hf_config
+
+        self.cfg = cfg
+        if not cfg.model.hf_dir:
+            raise ValueError("model.hf_dir is required: the HF checkpoint directory the run "
+                             "starts from (config.json, tokenizer, weights)")
+        if not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):
+            raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json")
+        if not cfg.data.train_files:
+            raise ValueError("data.train_files is empty: give at least one training parquet")
+        self.hf_config = load_hf_config(cfg.model.hf_dir)
+        # data, pool and checkpoint checks before any expensive set-up
+        self._load_data()
+        from rlep_megatron.checkpoint.resume import CheckpointManager
+
+        self.checkpoints = CheckpointManager(cfg, self.hf_config)
+        self.checkpoints.check_output_dir()
+        self._build_parallel_and_models()
+        self._build_step_functions()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _load_data(self) -> None:
+        from rlep_megatron.data.schema import read_prompt_files
+        from rlep_megatron.replay.pool import ExperiencePool
+
+        cfg = self.cfg
+        self.train_rows = read_prompt_files(cfg.data.train_files)
+        self.val_rows = (read_prompt_files(cfg.data.val_files, deduplicate=True)
+                         if cfg.data.val_files else None)
+        self.pool = None
+        if cfg.replay.num_replays_per_prompt > 0:
+            if cfg.replay.pool_files:
+                pool_rows = read_prompt_files(cfg.replay.pool_files)
+                source = ", ".join(cfg.replay.pool_files)
+            else:
+                pool_rows, source = self.train_rows, "the training files"
+            self.pool = ExperiencePool.from_rows(pool_rows)
+            if len(self.pool) == 0:
+                raise ValueError(f"replay.num_replays_per_prompt="
+                                 f"{cfg.replay.num_replays_per_prompt} but {source} hold no "
+                                 "reward_model.candidates; give replay.pool_files (an "
+                                 "`rlep collect` output) or set replay.num_replays_per_prompt=0")
+            self.pool.check_matches(self.train_rows, source)
+
+    def _build_parallel_and_models(self) -> None:
+        from rlep_megatron.actor.model import (build_from_hf, build_model, load_mcore_weights,
+                                               resolve_dtype)
+        from rlep_megatron.actor.optimizer import (build_optimizer, use_distributed_optimizer,
+                                                   wrap_ddp)
+        from rlep_megatron.rollout import RolloutEngine
+        from rlep_megatron.weight_sync import WeightStreamer
+
+        cfg, hf = self.cfg, self.hf_config
+        self.ctx = distributed.init_model_parallel(
+            cfg.parallel, seed=cfg.trainer.seed, num_attention_heads=hf["num_attention_heads"],
+            num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            num_layers=hf["num_hidden_layers"])
+        dtype = resolve_dtype(cfg.model.params_dtype)
+        if cfg.model.mcore_dir:
+            self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations)
+            load_mcore_weights(self.chunks, cfg.model.mcore_dir)
+        else:
+            self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
+                                                   cfg.model.recompute_activations)
+        self.chunks = wrap_ddp(self.chunks, use_distributed_optimizer(cfg.optim))
+        self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
+        self.max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+        self.engine = RolloutEngine(
+            cfg.model.hf_dir, cfg.rollout, dtype=str(self.info.params_dtype).split(".")[-1],
+            seed=cfg.trainer.seed, max_model_len=self.max_model_len, load_weights=False)
+        self.streamer = WeightStreamer(self.chunks, self.info,
+                                       cfg.rollout.weight_sync_bucket_bytes)
+        self.tokenizer = self.engine.llm.get_tokenizer()
+        self.pad_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                       else self.engine.eos_token_id)
+
+    def _build_step_functions(self) -> None:
+        from rlep_megatron.data.sampler import PromptSampler
+        from rlep_megatron.metrics import MetricsWriter
+        from rlep_megatron.replay.pool import ReplaySampler
+        from rlep_megatron.reward import make_scorer_pool
+
+        cfg = self.cfg
+        self.sampler = PromptSampler(len(self.train_rows), cfg.data.train_batch_size,
+                                     cfg.trainer.seed, cfg.data.shuffle, cfg.data.drop_last)
+        self.replay_sampler = (ReplaySampler(self.pool, cfg.replay.num_replays_per_prompt,
+                                             cfg.trainer.seed) if self.pool else None)
+        self.scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers,
+                                       cfg.reward.timeout_s)
+        self._prompt_cache: dict[int, list[int]] = {}
+        self.make_batch = (self._dynamic_batch if cfg.algo.dynamic_sampling
+                           else self._plain_batch)
+        self.add_replays = self._add_replays if self.replay_sampler else (lambda batch: None)
+        self.metrics = None
+        if distributed.is_rank0():
+            os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+            dump_config(cfg, cfg.trainer.output_dir)
+            self.metrics = MetricsWriter(cfg.trainer.output_dir)
+        self.step = 0
+
+    # ------------------------------------------------------------------ phases
+
+    def prompt_ids(self, rows, row: int) -> list[int]:
+        from rlep_megatron.data.prompts import tokenize_prompt
+
+        cache = self._prompt_cache if rows is self.train_rows else None
+        if cache is not None and row in cache:
+            return cache[row]
+        ids = tokenize_prompt(self.tokenizer, rows.messages[row],
+                              self.cfg.data.max_prompt_tokens).token_ids
+        if cache is not None:
+            cache[row] = ids
+        return ids
+
+    def rollout(self, rows: list[int], seed: int) -> StepBatch:
+        batch = StepBatch(rows=rows, prompts=[self.prompt_ids(self.train_rows, r) for r in rows])
+        groups = self.engine.generate(batch.prompts, seed=seed)
+        for group, responses in enumerate(groups):
+            for r in responses:
+                batch.sequences.append(Sequence(group, r.token_ids, r.text, FRESH, r.logprobs,
+                                                r.finish_reason))
+        return batch
+
+    def _add_replays(self, batch: StepBatch) -> None:
+        from rlep_megatron.replay.pool import tokenize_replays
+
+        replays = []
+        for group, row in enumerate(batch.rows):
+            texts = self.replay_sampler.draw(self.train_rows.messages[row])
+            for item in tokenize_replays(texts, self.tokenizer,
+                                         self.cfg.rollout.max_response_tokens,
+                                         self.engine.eos_token_id):
+                replays.append(Sequence(group, item.token_ids, item.text, REPLAY))
+        # each group: its G fresh responses, then its replays
+        by_group: dict[int, list[Sequence]] = {}
+        for seq in batch.sequences + replays:
+            by_group.setdefault(seq.group, []).append(seq)
+        batch.sequences = [s for g in range(len(batch.rows)) for s in by_group.get(g, [])]
+
+    def reward(self, batch: StepBatch) -> None:
+        """Score every response; work split over all ranks, results gathered everywhere."""
+        from rlep_megatron.reward import overlong_penalty
+        from rlep_megatron.reward.pool import ScoreRequest
+
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        n = len(batch.sequences)
+        mine = range(rank * n // world, (rank + 1) * n // world)
+        requests = []
+        for i in mine:
+            seq, row = batch.sequences[i], batch.rows[batch.sequences[i].group]
+            requests.append(ScoreRequest(self.train_rows.data_source[row], seq.text,
+                                         self.train_rows.ground_truth[row]))
+        local = [(r["score"], bool(r["acc"])) for r in self.scorer.score(requests)]
+        gathered: list = [None] * world
+        torch.distributed.all_gather_object(gathered, local)
+        results = [item for part in gathered for item in part]
+        cfg = self.cfg
+        for seq, (score, acc) in zip(batch.sequences, results):
+            seq.score, seq.acc = score, acc
+            seq.reward = score + overlong_penalty(
+                len(seq.token_ids), cfg.rollout.max_response_tokens,
+                cfg.reward.overlong_buffer_tokens, cfg.reward.overlong_penalty_factor)
+
+    def advantage(self, batch: StepBatch) -> None:
+        from rlep_megatron.algo import group_advantages
+
+        rewards = torch.tensor([s.reward for s in batch.sequences], dtype=torch.float64)
+        groups = [s.group for s in batch.sequences]
+        values = group_advantages(rewards, groups, eps=self.cfg.algo.advantage_eps,
+                                  normalize_std=self.cfg.algo.advantage_normalize_std)
+        for seq, value in zip(batch.sequences, values.tolist()):
+            seq.advantage = value
+
+    def _generate_round(self, timer: Timer, round_index: int) -> StepBatch:
+        with timer.phase("rollout"):
+            batch = self.rollout(self.sampler.next_global_batch(), seed=self._seed(round_index))
+        with timer.phase("replay"):
+            self.add_replays(batch)
+        with timer.phase("reward"):
+            self.reward(batch)
+        return batch
+
+    def _plain_batch(self, timer: Timer) -> StepBatch:
+        return self._generate_round(timer, 0)
+
+    def _dynamic_batch(self, timer: Timer) -> StepBatch:
+        """Official DAPO dynamic sampling: keep whole groups whose accuracy varies, draw more
+        prompts (up to ``algo.max_generation_rounds`` rounds) until a full batch is kept."""
+        want = self.cfg.data.train_batch_size
+        kept = StepBatch(rows=[], prompts=[])
+        rounds = 0
+        while len(kept.rows) < want and rounds < self.cfg.algo.max_generation_rounds:
+            candidate = self._generate_round(timer, rounds)
+            rounds += 1
+            for group, row in enumerate(candidate.rows):
+                members = [s for s in candidate.sequences if s.group == group]
+                accs = {s.acc for s in members}
+                if len(accs) > 1 and len(kept.rows) < want:
+                    new_group = len(kept.rows)
+                    kept.rows.append(row)
+                    kept.prompts.append(candidate.prompts[group])
+                    for s in members:
+                        s.group = new_group
+                        kept.sequences.append(s)
+        if not kept.rows:
+            raise RuntimeError(f"dynamic sampling kept no group in {rounds} rounds: every group "
+                               "was all-correct or all-wrong")
+        kept.generation_rounds = rounds
+        return kept
+
+    def _seed(self, round_index: int) -> int:
+        return (self.cfg.trainer.seed * 1_000_003 + self.step) * 101 + round_index
+
+    def mini_batches(self, batch: StepBatch) -> list[list[int]]:
+        """Sequence indices of each optimizer mini-batch (in order; the last may be short)."""
+        cfg = self.cfg.trainer
+        per = (cfg.mini_batch_size * self.cfg.rollout.num_samples_per_prompt
+               if cfg.mini_batch_unit == "prompts" else cfg.mini_batch_size)
+        n = len(batch.sequences)
+        return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
+
+    def _train_batch(self, batch: StepBatch, indices: list[int]):
+        """This DP rank's slice of a mini-batch, with old log-probs from the current actor."""
+        from rlep_megatron.actor.forward import pad_sequences
+        from rlep_megatron.actor.train_step import TrainBatch
+        from rlep_megatron.rollout.parity import actor_logprobs_everywhere
+
+        dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
+        mine = indices[dp_rank * len(indices) // dp:(dp_rank + 1) * len(indices) // dp]
+        seqs = [batch.sequences[i] for i in mine]
+        starts = [len(batch.prompts[s.group]) for s in seqs]
+        ids, lengths = pad_sequences([batch.prompts[s.group] + s.token_ids for s in seqs],
+                                     pad_id=self.pad_id)
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        mask = ((positions >= torch.tensor(starts)[:, None])
+                & (positions < lengths[:, None])).float()
+        micro = max(1, self.cfg.trainer.micro_batch_max_tokens // max(1, ids.shape[1]))
+        old = actor_logprobs_everywhere(self.chunks, self.info, [list(r) for r in ids.tolist()],
+                                        self.pad_id, micro_batch_size=micro,
+                                        temperature=self.cfg.rollout.temperature)
+        # parity probe on fresh tokens: vLLM's log-probs vs the actor's (same weights)
+        diff_sum, diff_count = 0.0, 0
+        for row, (seq, start) in enumerate(zip(seqs, starts)):
+            if seq.source == FRESH and seq.engine_logprobs:
+                actor = old[row, start:start + len(seq.engine_logprobs)].double()
+                diff_sum += float((actor - torch.tensor(seq.engine_logprobs,
+                                                        dtype=torch.float64)).abs().sum())
+                diff_count += len(seq.engine_logprobs)
+        train = TrainBatch(ids, mask, old, torch.tensor([s.advantage for s in seqs]),
+                           torch.tensor([s.source == REPLAY for s in seqs]))
+        return train, diff_sum, diff_count
+
+    def old_logprob(self, batch: StepBatch, plan: list[list[int]]):
+        parts = [self._train_batch(batch, indices) for indices in plan]
+        totals = torch.tensor([sum(p[1] for p in parts), sum(p[2] for p in parts)],
+                              dtype=torch.float64)
+        from megatron.core import parallel_state as ps
+
+        torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
+        parity = float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
+        return [p[0] for p in parts], parity
+
+    def train(self, train_batches) -> dict[str, float]:
+        from rlep_megatron.actor.train_step import train_mini_batch
+
+        results = [train_mini_batch(self.chunks, self.optimizer, self.info, tb, self.cfg.algo,
+                                    self.cfg.trainer.micro_batch_max_tokens,
+                                    temperature=self.cfg.rollout.temperature)
+                   for tb in train_batches]
+        out = {}
+        for key in results[0]:
+            out[key] = _mean(r[key] for r in results if key in r)
+        out["num_optimizer_steps"] = float(len(results))
+        return out
+
+    def weight_sync(self) -> dict[str, float]:
+        from rlep_megatron.weight_sync import sync_weights
+
+        return sync_weights(self.engine, self.streamer)
+
+    def validate(self) -> dict[str, float]:
+        """``val/<data_source>/mean@k`` (and maj/best/pass) on the validation files."""
+        from rlep_megatron.evaluate import QuestionSamples, evaluate_samples
+        from rlep_megatron.reward import compute_score
+
+        rows, ecfg = self.val_rows, self.cfg.eval
+        prompts = [self.prompt_ids(rows, r) for r in range(len(rows))]
+        groups = self.engine.generate(prompts, n=ecfg.num_samples_per_prompt,
+                                      temperature=ecfg.temperature, top_p=ecfg.top_p, top_k=-1,
+                                      seed=self.cfg.trainer.seed + 7_777_777)
+        questions = []
+        for row, responses in enumerate(groups):
+            scored = [compute_score(rows.data_source[row], r.text, rows.ground_truth[row])
+                      for r in responses]
+            questions.append(QuestionSamples(rows.data_source[row],
+                                             [bool(s["acc"]) for s in scored],
+                                             [str(s["pred"]) for s in scored]))
+        report = evaluate_samples(questions, ecfg.num_samples_per_prompt)
+        return {f"val/{source}/{name}": float(value) for source, table in report.items()
+                for name, value in table.items() if name != "num_questions"}
+
+    # ------------------------------------------------------------------ loop
+
+    def step_metrics(self, batch: StepBatch, train: dict, parity: float) -> dict[str, float]:
+        fresh = [s for s in batch.sequences if s.source == FRESH]
+        replay = [s for s in batch.sequences if s.source == REPLAY]
+        with_pool = {s.group for s in replay}
+        in_pool_groups = [s for s in batch.sequences if s.group in with_pool]
+        m = {
+            "rollout/reward_mean": _mean(s.reward for s in fresh),
+            "rollout/score_mean": _mean(s.score for s in fresh),
+            "rollout/acc_mean": _mean(s.acc for s in fresh),
+            "rollout/response_len_mean": _mean(len(s.token_ids) for s in fresh),
+            "rollout/response_len_max": float(max((len(s.token_ids) for s in fresh), default=0)),
+            "rollout/truncated_frac": _mean(s.finish_reason == "length" for s in fresh),
+            "rollout/logprob_abs_diff": parity,
+            "rollout/generation_rounds": float(batch.generation_rounds),
+            "rollout/num_groups": float(len(batch.rows)),
+            "replay/fraction": (len(replay) / len(in_pool_groups)) if in_pool_groups else 0.0,
+            "replay/num_sequences": float(len(replay)),
+            "replay/groups_with_pool": float(len(with_pool)),
+            "replay/reward_mean": _mean(s.reward for s in replay),
+            "replay/acc_mean": _mean(s.acc for s in replay),
+            "replay/response_len_mean": _mean(len(s.token_ids) for s in replay),
+            "advantage/mean/fresh": _mean(s.advantage for s in fresh),
+            "advantage/mean/replay": _mean(s.advantage for s in replay),
+        }
+        for key, value in train.items():
+            m[f"train/{key}"] = value
+        return m
+
+    def train_step(self) -> dict[str, float]:
+        timer = Timer()
+        step_start = time.perf_counter()
+        batch = self.make_batch(timer)
+        with timer.phase("advantage"):
+            self.advantage(batch)
+        plan = self.mini_batches(batch)
+        with timer.phase("old_logprob"):
+            train_batches, parity = self.old_logprob(batch, plan)
+        with timer.phase("train"):
+            train = self.train(train_batches)
+        with timer.phase("weight_sync"):
+            self.weight_sync()
+        self.step += 1
+        metrics = self.step_metrics(batch, train, parity)
+        metrics.update(timer.values)
+        metrics["timing/step_s"] = time.perf_counter() - step_start
+        return metrics
+
+    def run(self) -> None:
+        from rlep_megatron.metrics import progress
+
+        cfg = self.cfg
+        resumed = self.checkpoints.maybe_resume(self)
+        if self.metrics is not None:
+            self.metrics.truncate_after(self.step)
+        with Timer().phase("weight_sync"):
+            self.weight_sync()  # the engine starts with dummy weights
+        interval = cfg.trainer.validation_interval_steps
+        if self.val_rows is not None and interval and not resumed:
+            self._log(self.step, self._timed_validate())
+        for _ in progress(range(self.step, cfg.trainer.total_steps), desc="train",
+                          total=cfg.trainer.total_steps - self.step):
+            metrics = self.train_step()
+            if self.val_rows is not None and interval and self.step % interval == 0:
+                metrics.update(self._timed_validate())
+            save_every = cfg.checkpoint.save_interval_steps
+            if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.total_steps:
+                start = time.perf_counter()
+                self.checkpoints.save(self)
+                metrics["timing/checkpoint_s"] = time.perf_counter() - start
+            self._log(self.step, metrics)
+
+    def _timed_validate(self) -> dict[str, float]:
+        start = time.perf_counter()
+        values = self.validate()
+        values["timing/validate_s"] = time.perf_counter() - start
+        return values
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.metrics is not None:
+            self.metrics.log(step, metrics)
+            short = {k: round(v, 4) for k, v in metrics.items()
+                     if k in ("rollout/acc_mean", "train/pg_loss", "replay/fraction",
+                              "timing/step_s") or k.startswith("val/") and "mean@" in k}
+            logger.info("step %d: %s", step, short)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        self.scorer.close()
+        torch.distributed.barrier()
+        self.engine.shutdown()
+
+
+def run_train(cfg: RunConfig) -> str:
+    """``rlep train``: returns the output directory."""
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    distributed.destroy()
+    return cfg.trainer.output_dir
