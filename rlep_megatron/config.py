@@ -278,6 +278,12 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
+    checkpoint: str = ""
+    """``rlep eval``: checkpoint to evaluate (a ``checkpoints/step_XXXXXXXX`` training checkpoint
+    or an HF directory); empty = ``model.hf_dir``."""
+    files: list[str] = field(default_factory=list)
+    """``rlep eval``: eval parquet files (DAPO schema, ``reward_model.ground_truth`` required);
+    empty = ``data.val_files``."""
     num_samples_per_prompt: int = 32
     """k: samples per validation/eval question (mean@k, maj@k, best@k, pass@k)."""
     temperature: float = 1.0

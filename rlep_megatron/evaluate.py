@@ -90,3 +90,73 @@ def format_table(report: dict[str, dict[str, float]]) -> str:
                         for source, values in report.items()]
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in lines)
+
+
+def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: float,
+                    max_tokens: int, max_prompt_tokens: int, seed: int
+                    ) -> dict[str, dict[str, float]]:
+    """Sample ``k`` answers per question of ``rows`` with the rollout engine, score them
+    (split over ranks, hard timeouts) and report per ``data_source``. Collective."""
+    from rlep_megatron.data.prompts import tokenize_prompt
+    from rlep_megatron.reward.distributed import score_across_ranks
+    from rlep_megatron.reward.pool import ScoreRequest
+
+    tokenizer = engine.llm.get_tokenizer()
+    prompts = [tokenize_prompt(tokenizer, rows.messages[r], max_prompt_tokens).token_ids
+               for r in range(len(rows))]
+    groups = engine.generate(prompts, n=k, temperature=temperature, top_p=top_p, top_k=-1,
+                             max_tokens=max_tokens, seed=seed)
+    requests = [ScoreRequest(rows.data_source[row], response.text, rows.ground_truth[row])
+                for row, responses in enumerate(groups) for response in responses]
+    results = iter(score_across_ranks(scorer, requests))
+    questions = []
+    for row, responses in enumerate(groups):
+        scored = [next(results) for _ in responses]
+        questions.append(QuestionSamples(rows.data_source[row], [bool(s["acc"]) for s in scored],
+                                         [str(s["pred"]) for s in scored]))
+    return evaluate_samples(questions, k)
+
+
+def run_eval(cfg) -> dict[str, dict[str, float]]:
+    """``rlep eval``: a checkpoint on the eval files; writes the JSON report (rank 0) and
+    prints the table. Returns the report."""
+    import json
+    import os
+
+    import torch
+
+    from rlep_megatron import distributed
+    from rlep_megatron.data.schema import read_prompt_files
+    from rlep_megatron.reward import make_scorer_pool
+    from rlep_megatron.rollout.loading import checkpoint_kind, open_engine
+
+    files = cfg.eval.files or cfg.data.val_files
+    if not files:
+        raise ValueError("no eval files: set eval.files (or data.val_files)")
+    rows = read_prompt_files(files, deduplicate=True)  # checks the schema before any model work
+    checkpoint = cfg.eval.checkpoint or cfg.model.hf_dir
+    checkpoint_kind(checkpoint)
+    out = cfg.eval.output_file or os.path.join(cfg.trainer.output_dir, "eval.json")
+    engine = open_engine(cfg, checkpoint, cfg.data.max_prompt_tokens
+                         + cfg.rollout.max_response_tokens, cfg.trainer.seed)
+    scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers, cfg.reward.timeout_s)
+    try:
+        report = evaluate_policy(engine, scorer, rows, cfg.eval.num_samples_per_prompt,
+                                 cfg.eval.temperature, cfg.eval.top_p,
+                                 cfg.rollout.max_response_tokens, cfg.data.max_prompt_tokens,
+                                 cfg.trainer.seed + 7_777_777)
+        if distributed.is_rank0():
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            tmp = out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"checkpoint": checkpoint, "files": list(files),
+                           "k": cfg.eval.num_samples_per_prompt, "report": report}, f, indent=1)
+            os.replace(tmp, out)
+            print(format_table(report))
+            print(f"wrote {out}")
+    finally:
+        scorer.close()
+        torch.distributed.barrier()
+        engine.shutdown()
+        distributed.destroy()
+    return report

@@ -35,8 +35,8 @@ def _solution(a: int, op: str, b: int) -> tuple[str, str]:
     return f"{a} {op} {b} = {value}\nAnswer: {value}", str(value)
 
 
-def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 2000, num_val: int = 64,
-                   max_operand: int = 99) -> dict[str, str]:
+def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: int = 64,
+                   max_operand: int = 20) -> dict[str, str]:
     """Write the task files to ``out_dir``; returns their paths. Same seed -> same files."""
     if num_train < 1 or num_val < 1:
         raise ValueError("num_train and num_val must be >= 1")
@@ -113,7 +113,7 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
     model.eval()
     accuracy = float("nan")
     if eval_parquet:

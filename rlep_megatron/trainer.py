@@ -226,26 +226,19 @@ class Trainer:
         batch.sequences = [s for g in range(len(batch.rows)) for s in by_group.get(g, [])]
 
     def reward(self, batch: StepBatch) -> None:
-        """Score every response; work split over all ranks, results gathered everywhere."""
+        """Score every response (replays too); work split over all ranks."""
         from rlep_megatron.reward import overlong_penalty
+        from rlep_megatron.reward.distributed import score_across_ranks
         from rlep_megatron.reward.pool import ScoreRequest
 
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        n = len(batch.sequences)
-        mine = range(rank * n // world, (rank + 1) * n // world)
-        requests = []
-        for i in mine:
-            seq, row = batch.sequences[i], batch.rows[batch.sequences[i].group]
-            requests.append(ScoreRequest(self.train_rows.data_source[row], seq.text,
-                                         self.train_rows.ground_truth[row]))
-        local = [(r["score"], bool(r["acc"])) for r in self.scorer.score(requests)]
-        gathered: list = [None] * world
-        torch.distributed.all_gather_object(gathered, local)
-        results = [item for part in gathered for item in part]
+        rows = self.train_rows
+        requests = [ScoreRequest(rows.data_source[batch.rows[s.group]], s.text,
+                                 rows.ground_truth[batch.rows[s.group]])
+                    for s in batch.sequences]
         cfg = self.cfg
-        for seq, (score, acc) in zip(batch.sequences, results):
-            seq.score, seq.acc = score, acc
-            seq.reward = score + overlong_penalty(
+        for seq, result in zip(batch.sequences, score_across_ranks(self.scorer, requests)):
+            seq.score, seq.acc = float(result["score"]), bool(result["acc"])
+            seq.reward = seq.score + overlong_penalty(
                 len(seq.token_ids), cfg.rollout.max_response_tokens,
                 cfg.reward.overlong_buffer_tokens, cfg.reward.overlong_penalty_factor)
 
@@ -368,22 +361,14 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """``val/<data_source>/mean@k`` (and maj/best/pass) on the validation files."""
-        from rlep_megatron.evaluate import QuestionSamples, evaluate_samples
-        from rlep_megatron.reward import compute_score
+        from rlep_megatron.evaluate import evaluate_policy
 
-        rows, ecfg = self.val_rows, self.cfg.eval
-        prompts = [self.prompt_ids(rows, r) for r in range(len(rows))]
-        groups = self.engine.generate(prompts, n=ecfg.num_samples_per_prompt,
-                                      temperature=ecfg.temperature, top_p=ecfg.top_p, top_k=-1,
-                                      seed=self.cfg.trainer.seed + 7_777_777)
-        questions = []
-        for row, responses in enumerate(groups):
-            scored = [compute_score(rows.data_source[row], r.text, rows.ground_truth[row])
-                      for r in responses]
-            questions.append(QuestionSamples(rows.data_source[row],
-                                             [bool(s["acc"]) for s in scored],
-                                             [str(s["pred"]) for s in scored]))
-        report = evaluate_samples(questions, ecfg.num_samples_per_prompt)
+        ecfg = self.cfg.eval
+        report = evaluate_policy(self.engine, self.scorer, self.val_rows,
+                                 ecfg.num_samples_per_prompt, ecfg.temperature, ecfg.top_p,
+                                 self.cfg.rollout.max_response_tokens,
+                                 self.cfg.data.max_prompt_tokens,
+                                 seed=self.cfg.trainer.seed + 7_777_777)
         return {f"val/{source}/{name}": float(value) for source, table in report.items()
                 for name, value in table.items() if name != "num_questions"}
 

@@ -2,6 +2,8 @@
 with a chat template) offline. Same seed -> identical files.
 
     python tools/make_tiny_model.py --out-dir models/tiny-qwen2 [--seed 0] [--arch qwen2|llama]
+    python tools/make_tiny_model.py --out-dir outputs/tiny/model --task-dir outputs/tiny/task \
+        --pretrain-steps 300      # warm start on the tiny task's reference solutions
 """
 import argparse
 import os
@@ -17,9 +19,23 @@ def main() -> int:
     parser.add_argument("--out-dir", required=True, help="directory to write (replaced if present)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     parser.add_argument("--arch", choices=SUPPORTED_ARCHS, default="qwen2")
+    parser.add_argument("--task-dir", default=None,
+                        help="tiny task directory (tools/make_tiny_task.py) for --pretrain-steps")
+    parser.add_argument("--pretrain-steps", type=int, default=0,
+                        help="supervised warm-start steps on the task's reference solutions")
     args = parser.parse_args()
+    if args.pretrain_steps and not args.task_dir:
+        parser.error("--pretrain-steps needs --task-dir")
     make_tiny_model(args.out_dir, seed=args.seed, arch=args.arch)
     print(f"wrote tiny {args.arch} checkpoint to {args.out_dir}")
+    if args.pretrain_steps:
+        from rlep_megatron.tiny_task import warm_start
+
+        result = warm_start(args.out_dir, os.path.join(args.task_dir, "train_solutions.jsonl"),
+                            args.pretrain_steps, seed=args.seed,
+                            eval_parquet=os.path.join(args.task_dir, "val.parquet"))
+        print(f"warm start: {args.pretrain_steps} steps, final loss {result['loss']:.3f}, "
+              f"greedy accuracy on val.parquet {100 * result['accuracy']:.1f}%")
     return 0
 
 

@@ -44,10 +44,12 @@ def pool_stats(rows: PromptRows, tokenizer=None) -> dict:
 
 
 def write_pool(rows: PromptRows, path: str, stats_path: Optional[str] = None,
-               tokenizer=None) -> dict:
-    """Write the pool parquet (and a JSON stats summary next to it) atomically."""
+               tokenizer=None, extra: Optional[dict] = None) -> dict:
+    """Write the pool parquet (and a JSON stats summary next to it, with ``extra`` merged in)
+    atomically."""
     write_table_atomic(rows_to_table(rows, with_candidates=True), path)
     stats = pool_stats(rows, tokenizer)
+    stats.update(extra or {})
     stats_path = stats_path or os.path.splitext(path)[0] + ".stats.json"
     tmp = f"{stats_path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -1,0 +1,157 @@
+"""``rlep collect``: build the experience pool (RLEP_SPEC.md section 1), which the reference code
+never released.
+
+Load a checkpoint (HF directory or training checkpoint), deduplicate the training questions,
+sample ``collect.num_samples_per_prompt`` answers per question (T, top-p from the config; the
+response budget of the training recipe, ``rollout.max_response_tokens``), score them, keep the
+verified-correct ones (distinct texts, in sampling order) and keep questions with at least
+``collect.min_correct``. Output: the training parquet with ``reward_model.candidates`` (only
+the kept questions) and ``<output>.stats.json``.
+
+The questions are cut into ``collect.num_shards`` shards; each finished shard is written (by
+rank 0, atomically) to ``<output>.shards/shard_XXXXX.json`` and skipped after a restart. The
+pool file appears only when every shard is done.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from rlep_megatron import distributed
+
+logger = logging.getLogger(__name__)
+
+
+def _shard_ranges(num_questions: int, num_shards: int) -> list[range]:
+    shards = min(num_shards, num_questions)
+    return [range(i * num_questions // shards, (i + 1) * num_questions // shards)
+            for i in range(shards)]
+
+
+def _job_signature(cfg, checkpoint: str, rows) -> str:
+    """Identity of a collection job: a restart may only reuse shards of the same job."""
+    digest = hashlib.sha256()
+    c = cfg.collect
+    digest.update(json.dumps([os.path.abspath(checkpoint), c.num_samples_per_prompt,
+                              c.temperature, c.top_p, cfg.rollout.max_response_tokens,
+                              c.num_shards, cfg.trainer.seed, len(rows)]).encode())
+    for row in range(len(rows)):
+        digest.update(rows.prompt_key(row).encode())
+    return digest.hexdigest()[:16]
+
+
+def _write_json_atomic(path: str, value) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
+    """Returns the pool path. ``stop_after_shards`` ends the job early (tests of restarts)."""
+    from rlep_megatron.data.prompts import tokenize_prompt
+    from rlep_megatron.data.schema import read_prompt_files
+    from rlep_megatron.replay.writer import pool_rows, write_pool
+    from rlep_megatron.reward import make_scorer_pool
+    from rlep_megatron.reward.distributed import score_across_ranks
+    from rlep_megatron.reward.pool import ScoreRequest
+    from rlep_megatron.rollout.loading import checkpoint_kind, open_engine
+
+    c = cfg.collect
+    rows = read_prompt_files(cfg.data.train_files, deduplicate=True)
+    checkpoint = c.checkpoint or cfg.model.hf_dir
+    checkpoint_kind(checkpoint)
+    out = c.output_file or os.path.join(cfg.trainer.output_dir, "pool.parquet")
+    if os.path.exists(out):
+        raise FileExistsError(f"pool {out} already exists; remove it or set collect.output_file")
+    shard_dir = out + ".shards"
+    signature = _job_signature(cfg, checkpoint, rows)
+    shards = _shard_ranges(len(rows), c.num_shards)
+    engine = open_engine(cfg, checkpoint, cfg.data.max_prompt_tokens
+                         + cfg.rollout.max_response_tokens, cfg.trainer.seed)
+    scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers, cfg.reward.timeout_s)
+    rank0 = distributed.is_rank0()
+    try:
+        if rank0:
+            os.makedirs(shard_dir, exist_ok=True)
+            job_file = os.path.join(shard_dir, "job.json")
+            if os.path.exists(job_file):
+                with open(job_file) as f:
+                    if json.load(f).get("signature") != signature:
+                        raise ValueError(f"{shard_dir} holds shards of a different collection "
+                                         "job (checkpoint, data or sampling settings changed); "
+                                         "remove it to start over")
+            else:
+                _write_json_atomic(job_file, {"signature": signature, "shards": len(shards)})
+        torch.distributed.barrier()
+        tokenizer = engine.llm.get_tokenizer()
+        done = 0
+        for number, indices in enumerate(shards):
+            path = os.path.join(shard_dir, f"shard_{number:05d}.json")
+            if os.path.exists(path):
+                done += 1
+                logger.info("shard %d/%d already finished, skipped", number + 1, len(shards))
+                continue
+            prompts = [tokenize_prompt(tokenizer, rows.messages[r],
+                                       cfg.data.max_prompt_tokens).token_ids for r in indices]
+            groups = engine.generate(prompts, n=c.num_samples_per_prompt,
+                                     temperature=c.temperature, top_p=c.top_p, top_k=-1,
+                                     max_tokens=cfg.rollout.max_response_tokens,
+                                     seed=cfg.trainer.seed * 1_000_003 + number)
+            requests = [ScoreRequest(rows.data_source[r], resp.text, rows.ground_truth[r])
+                        for r, responses in zip(indices, groups) for resp in responses]
+            results = iter(score_across_ranks(scorer, requests))
+            correct, num_correct = [], 0
+            for responses in groups:
+                texts = []
+                for resp in responses:
+                    if next(results)["acc"]:
+                        num_correct += 1
+                        if resp.text not in texts:
+                            texts.append(resp.text)
+                correct.append(texts)
+            if rank0:
+                _write_json_atomic(path, {"rows": list(indices), "correct": correct,
+                                          "num_correct": num_correct})
+            torch.distributed.barrier()
+            done += 1
+            logger.info("shard %d/%d: %d questions, %d with >= %d correct answers", number + 1,
+                        len(shards), len(indices),
+                        sum(len(t) >= c.min_correct for t in correct), c.min_correct)
+            if stop_after_shards is not None and done >= stop_after_shards:
+                logger.warning("stopping after %d shards as asked", done)
+                return out
+        if rank0:
+            candidates: list[list[str]] = [[] for _ in range(len(rows))]
+            for number in range(len(shards)):
+                with open(os.path.join(shard_dir, f"shard_{number:05d}.json")) as f:
+                    shard = json.load(f)
+                for row, texts in zip(shard["rows"], shard["correct"]):
+                    candidates[row] = texts
+            num_correct = 0
+            for number in range(len(shards)):
+                with open(os.path.join(shard_dir, f"shard_{number:05d}.json")) as f:
+                    num_correct += json.load(f)["num_correct"]
+            pool = pool_rows(rows, candidates, min_correct=c.min_correct)
+            stats = write_pool(pool, out, tokenizer=tokenizer, extra={
+                "training_questions": len(rows), "samples_per_question": c.num_samples_per_prompt,
+                "min_correct": c.min_correct, "temperature": c.temperature, "top_p": c.top_p,
+                "checkpoint": checkpoint,
+                "sample_accuracy": num_correct / max(1, len(rows) * c.num_samples_per_prompt)})
+            shutil.rmtree(shard_dir, ignore_errors=True)
+            logger.info("wrote pool %s: %s", out, stats)
+        torch.distributed.barrier()
+        return out
+    finally:
+        scorer.close()
+        torch.distributed.barrier()
+        engine.shutdown()
+        distributed.destroy()

@@ -1,0 +1,86 @@
+"""A rollout engine serving a given checkpoint, for ``rlep collect`` and ``rlep eval``.
+
+* an HF directory (has ``config.json``): vLLM loads it directly;
+* a training checkpoint (``checkpoints/step_XXXXXXXX``, has ``meta.json`` and ``dist/``): the
+  actor is built at ``parallel.*`` from ``model.hf_dir``'s config, its weights are loaded from
+  the dist checkpoint (any saved layout) and streamed into an engine started with dummy weights.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from rlep_megatron import distributed
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_kind(path: str) -> str:
+    """``"hf"`` or ``"training"``; a clear error for anything else."""
+    if not path:
+        raise ValueError("no checkpoint given")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    if os.path.isfile(os.path.join(path, "meta.json")) and os.path.isdir(
+            os.path.join(path, "dist")):
+        return "training"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    raise ValueError(f"{path!r} is neither an HF checkpoint (config.json) nor a training "
+                     "checkpoint (meta.json + dist/, e.g. <output_dir>/checkpoints/step_00000010)")
+
+
+def open_engine(cfg, checkpoint: str, max_model_len: int, seed: int):
+    """A :class:`RolloutEngine` with the checkpoint's weights (collective)."""
+    from rlep_megatron.rollout import RolloutEngine
+
+    kind = checkpoint_kind(checkpoint)
+    distributed.init_process_group()
+    if kind == "hf":
+        return RolloutEngine(checkpoint, cfg.rollout, dtype=_dtype_name(cfg), seed=seed,
+                             max_model_len=max_model_len)
+    return _engine_from_training_checkpoint(cfg, checkpoint, max_model_len, seed)
+
+
+def _dtype_name(cfg) -> str:
+    from rlep_megatron.actor.model import resolve_dtype
+
+    return str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1]
+
+
+def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, seed: int):
+    from megatron.core import dist_checkpointing
+
+    from rlep_megatron.actor.model import (build_model, load_model_state_dict,
+                                           model_sharded_state_dict, resolve_dtype)
+    from rlep_megatron.checkpoint.hf_io import load_hf_config
+    from rlep_megatron.checkpoint.resume import model_fingerprint
+    from rlep_megatron.rollout import RolloutEngine
+    from rlep_megatron.weight_sync import WeightStreamer, sync_weights
+
+    if not cfg.model.hf_dir:
+        raise ValueError("loading a training checkpoint needs model.hf_dir (the HF directory "
+                         "the run started from: config and tokenizer)")
+    hf = load_hf_config(cfg.model.hf_dir)
+    with open(os.path.join(checkpoint, "meta.json")) as f:
+        theirs = json.load(f).get("model")
+    if theirs != model_fingerprint(hf):
+        raise ValueError(f"checkpoint {checkpoint} is of another model than "
+                         f"model.hf_dir={cfg.model.hf_dir!r}")
+    distributed.init_model_parallel(
+        cfg.parallel, seed=seed, num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        num_layers=hf["num_hidden_layers"])
+    chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype))
+    state = dist_checkpointing.load({"model": model_sharded_state_dict(chunks)},
+                                    os.path.join(checkpoint, "dist"))
+    load_model_state_dict(chunks, state["model"])
+    engine = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype=_dtype_name(cfg), seed=seed,
+                           max_model_len=max_model_len, load_weights=False)
+    result = sync_weights(engine, WeightStreamer(chunks, info,
+                                                 cfg.rollout.weight_sync_bucket_bytes))
+    logger.info("loaded %s into the engine (%d tensors, %.2f GB)", checkpoint,
+                result["tensors"], result["bytes"] / 1e9)
+    del chunks
+    return engine

@@ -1,0 +1,71 @@
+"""Shared pieces of the e2e tests: tiny task files, a pool built from reference solutions, and
+running the ``rlep`` CLI (under torchrun for several ranks)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from rlep_megatron.data.schema import read_prompt_file
+from rlep_megatron.replay.writer import pool_rows, write_pool
+from rlep_megatron.tiny_task import make_tiny_task
+from tests.torchrun import REPO_ROOT, _env
+
+CONTRACT_KEYS = ["step", "rollout/reward_mean", "rollout/acc_mean", "rollout/response_len_mean",
+                 "replay/fraction", "replay/reward_mean", "train/pg_loss", "train/pg_clipfrac",
+                 "train/grad_norm", "train/entropy", "rollout/logprob_abs_diff",
+                 "timing/rollout_s", "timing/reward_s", "timing/train_s",
+                 "timing/weight_sync_s", "timing/step_s"]
+
+
+def small_task(directory: str) -> dict[str, str]:
+    return make_tiny_task(directory, seed=0, num_train=48, num_val=8, max_operand=20)
+
+
+def reference_pool(task: dict[str, str], path: str) -> str:
+    """A pool whose candidates are two correct solutions per training question."""
+    rows = read_prompt_file(task["train"])
+    solutions = {}
+    for line in open(task["solutions"]):
+        item = json.loads(line)
+        solutions[item["question"]] = item["solution"]
+    candidates = []
+    for messages, truth in zip(rows.messages, rows.ground_truth):
+        candidates.append([solutions[messages[0]["content"]], f"Answer: {truth}"])
+    write_pool(pool_rows(rows, candidates, min_correct=2), path)
+    return path
+
+
+def train_overrides(model_dir: str, task: dict[str, str], out: str, steps: int) -> list[str]:
+    return [f"model.hf_dir={model_dir}", f"data.train_files=[{task['train']}]",
+            f"data.val_files=[{task['val']}]", "data.train_batch_size=4",
+            "data.max_prompt_tokens=96", "rollout.num_samples_per_prompt=4",
+            "rollout.max_response_tokens=32", "reward.overlong_buffer_tokens=4",
+            "reward.num_workers=1", "trainer.mini_batch_size=2", "optim.lr=1e-3",
+            "optim.lr_warmup_steps=0", f"trainer.total_steps={steps}",
+            "trainer.validation_interval_steps=2", "eval.num_samples_per_prompt=2",
+            "checkpoint.save_interval_steps=2", f"trainer.output_dir={out}"]
+
+
+def run_rlep(args: list[str], nproc: int = 1, timeout_s: float = 900,
+             check: bool = True) -> subprocess.CompletedProcess:
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", "-m", "rlep_megatron.cli", *args]
+    else:
+        command = [sys.executable, "-m", "rlep_megatron.cli", *args]
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(None), capture_output=True,
+                          text=True, timeout=timeout_s)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"rlep {args[0]} failed ({proc.returncode}):\n"
+                             f"{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+def read_jsonl(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def recipe(name: str) -> str:
+    return os.path.join(REPO_ROOT, "examples", name)

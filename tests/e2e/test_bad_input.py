@@ -1,0 +1,85 @@
+"""Bad input to the ``rlep`` commands: a clear error (exit 2) before any model is built."""
+import json
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlep_megatron.data.schema import read_prompt_file
+from rlep_megatron.replay.writer import pool_rows, write_pool
+from rlep_megatron.tiny_task import make_tiny_task
+from tests.e2e.helpers import recipe, run_rlep, small_task, train_overrides
+
+pytestmark = pytest.mark.e2e
+
+# every check below happens before torch.distributed, megatron or vLLM start
+FAST_S = 60
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return small_task(str(tmp_path_factory.mktemp("task")))
+
+
+def expect_error(args, *needles):
+    start = time.monotonic()
+    proc = run_rlep(args, check=False, timeout_s=300)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    for needle in needles:
+        assert needle in output, (needle, output[-3000:])
+    assert elapsed < FAST_S, elapsed
+    assert "rollout engine ready" not in output
+    return output
+
+
+def test_config_key_typo_lists_valid_keys(tiny_qwen2_dir, task, tmp_path):
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), 1),
+                  "trainer.totl_steps=3"], "trainer.totl_steps", "trainer.total_steps")
+
+
+def test_eval_parquet_without_reward_model(tiny_qwen2_dir, tmp_path):
+    bad = tmp_path / "eval.parquet"
+    pq.write_table(pa.table({"data_source": ["tiny_arith"],
+                             "prompt": [[{"role": "user", "content": "1+1?"}]]}), bad)
+    expect_error(["eval", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  f"model.hf_dir={tiny_qwen2_dir}", f"eval.files=[{bad}]",
+                  f"trainer.output_dir={tmp_path / 'out'}"],
+                 "missing column 'reward_model'", str(bad))
+
+
+def test_pool_of_another_dataset(tiny_qwen2_dir, task, tmp_path):
+    other = make_tiny_task(str(tmp_path / "other"), seed=5, num_train=16, num_val=4,
+                           max_operand=300)
+    rows = read_prompt_file(other["train"])
+    pool = str(tmp_path / "pool.parquet")
+    write_pool(pool_rows(rows, [[f"Answer: {t}"] for t in rows.ground_truth]), pool)
+    expect_error(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), 1),
+                  f"replay.pool_files=[{pool}]"], "none of them is a question of the training")
+
+
+def test_output_dir_with_a_checkpoint_of_another_model(tiny_qwen2_dir, task, tmp_path):
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "step_00000003"
+    os.makedirs(step / "dist")
+    config = json.load(open(os.path.join(tiny_qwen2_dir, "config.json")))
+    fingerprint = {k: config.get(k) for k in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}
+    fingerprint["hidden_size"] = 4096
+    (step / "meta.json").write_text(json.dumps({"step": 3, "model": fingerprint,
+                                                "complete": True}))
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(out), 1)],
+                 "of another model", "hidden_size")
+
+
+def test_missing_model_directory(task, tmp_path):
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(str(tmp_path / "nope"), task, str(tmp_path / "run"), 1)],
+                 "has no config.json")

@@ -1,0 +1,106 @@
+"""``rlep collect`` and ``rlep eval`` on a warm-started tiny model: the pool is the RLEP schema
+and loads as the trainer's pool; a collection killed mid-run resumes without redoing finished
+shards; eval reports every metric per data_source."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from rlep_megatron.data.schema import read_prompt_file, rows_to_table
+from rlep_megatron.replay.pool import ExperiencePool
+from rlep_megatron.reward import compute_score
+from rlep_megatron.tiny_model import make_tiny_model
+from rlep_megatron.tiny_task import make_tiny_task, warm_start
+from tests.e2e.helpers import recipe, run_rlep
+from tests.torchrun import REPO_ROOT, _env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def easy(tmp_path_factory):
+    """A task the tiny model can memorise (8 questions) and a model warm-started on it."""
+    root = tmp_path_factory.mktemp("easy")
+    task = make_tiny_task(str(root / "task"), seed=0, num_train=6, num_val=2, max_operand=1)
+    model = make_tiny_model(str(root / "model"), seed=0)
+    result = warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6)
+    assert result["loss"] < 0.2, result
+    return task, model
+
+
+def collect_args(task, model, out, shards):
+    return ["collect", "--config", recipe("tiny_cpu_rlep.yaml"), f"model.hf_dir={model}",
+            f"data.train_files=[{task['train']}]", f"collect.checkpoint={model}",
+            f"collect.output_file={out}", f"collect.num_shards={shards}",
+            "collect.num_samples_per_prompt=8", "reward.num_workers=1",
+            "rollout.max_response_tokens=32", "data.max_prompt_tokens=96"]
+
+
+def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
+    task, model = easy
+    out = tmp_path / "pool.parquet"
+    shard_dir = str(out) + ".shards"
+    command = [sys.executable, "-m", "rlep_megatron.cli",
+               *collect_args(task, model, out, shards=6)]
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(None), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not glob.glob(os.path.join(shard_dir, "shard_*.json")):
+        assert proc.poll() is None, "collect ended before writing a shard"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    finished = sorted(glob.glob(os.path.join(shard_dir, "shard_*.json")))
+    assert 1 <= len(finished) < 6, finished
+    assert not out.exists()  # the pool appears only when complete
+    before = {path: open(path).read() for path in finished}
+
+    result = run_rlep(collect_args(task, model, out, shards=6))
+    log = result.stdout + result.stderr
+    assert log.count("already finished, skipped") == len(finished)
+    for number in range(len(finished)):
+        assert f"shard {number + 1}/6 already finished, skipped" in log
+    assert json.loads(before[finished[0]])["rows"] == [0]
+
+    # field by field the public RLEP schema, and the trainer's pool reader accepts it
+    rows = read_prompt_file(str(out))
+    assert pq.read_schema(out).equals(rows_to_table(rows, with_candidates=True).schema)
+    assert all(len(c) >= 2 for c in rows.candidates)
+    for source, truth, candidates in zip(rows.data_source, rows.ground_truth, rows.candidates):
+        assert len(set(candidates)) == len(candidates)  # distinct texts
+        assert all(compute_score(source, c, truth)["acc"] for c in candidates)
+    pool = ExperiencePool.from_rows(rows)
+    pool.check_matches(read_prompt_file(task["train"]), str(out))
+    assert len(pool) >= 3
+    stats = json.load(open(tmp_path / "pool.stats.json"))
+    assert stats["training_questions"] == 6 and stats["questions"] == len(rows)
+    assert not os.path.exists(shard_dir)
+    # a pool file that already exists is never overwritten
+    again = run_rlep(collect_args(task, model, out, shards=6), check=False)
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_eval_reports_every_metric(easy, tmp_path):
+    task, model = easy
+    out = tmp_path / "eval.json"
+    result = run_rlep(["eval", "--config", recipe("tiny_cpu_baseline.yaml"),
+                       f"model.hf_dir={model}", f"eval.files=[{task['train']}]",
+                       f"eval.output_file={out}", "eval.num_samples_per_prompt=4",
+                       "reward.num_workers=1", "rollout.max_response_tokens=32",
+                       f"trainer.output_dir={tmp_path}"])
+    report = json.load(open(out))
+    table = report["report"]["tiny_arith"]
+    assert set(table) == {"mean@4", "maj@4", "best@4", "pass@4", "num_questions"}
+    assert table["num_questions"] == 6
+    assert table["mean@4"] > 0.3  # the memorised questions
+    assert table["mean@4"] <= table["best@4"] + 1e-9 and table["mean@4"] <= table["pass@4"] + 1e-9
+    assert "tiny_arith" in result.stdout and "mean@4" in result.stdout
