@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ FRESH, REPLAY = "fresh", "replay"
 
 
 @dataclass
-class Sequence:
+class Sample:
     """One response of a group, fresh or replayed."""
 
     group: int                   # index of its prompt in the step's batch
@@ -58,7 +57,7 @@ class Sequence:
 class StepBatch:
     rows: list[int]                          # training-file rows of the groups
     prompts: list[list[int]]                 # prompt token ids per group
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[Sample] = field(default_factory=list)
     generation_rounds: int = 1
 
 
@@ -205,7 +204,7 @@ class Trainer:
         groups = self.engine.generate(batch.prompts, seed=seed)
         for group, responses in enumerate(groups):
             for r in responses:
-                batch.sequences.append(Sequence(group, r.token_ids, r.text, FRESH, r.logprobs,
+                batch.sequences.append(Sample(group, r.token_ids, r.text, FRESH, r.logprobs,
                                                 r.finish_reason))
         return batch
 
@@ -218,9 +217,9 @@ class Trainer:
             for item in tokenize_replays(texts, self.tokenizer,
                                          self.cfg.rollout.max_response_tokens,
                                          self.engine.eos_token_id):
-                replays.append(Sequence(group, item.token_ids, item.text, REPLAY))
+                replays.append(Sample(group, item.token_ids, item.text, REPLAY))
         # each group: its G fresh responses, then its replays
-        by_group: dict[int, list[Sequence]] = {}
+        by_group: dict[int, list[Sample]] = {}
         for seq in batch.sequences + replays:
             by_group.setdefault(seq.group, []).append(seq)
         batch.sequences = [s for g in range(len(batch.rows)) for s in by_group.get(g, [])]
