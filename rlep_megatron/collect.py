@@ -61,7 +61,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
     from rlep_megatron.data.schema import read_prompt_files
     from rlep_megatron.replay.writer import pool_rows, write_pool
     from rlep_megatron.reward import make_scorer_pool
-    from rlep_megatron.reward.distributed import score_across_ranks
+    from rlep_megatron.distributed import map_across_ranks
     from rlep_megatron.reward.pool import ScoreRequest
     from rlep_megatron.rollout.loading import checkpoint_kind, open_engine
 
@@ -108,7 +108,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
                                      seed=cfg.trainer.seed * 1_000_003 + number)
             requests = [ScoreRequest(rows.data_source[r], resp.text, rows.ground_truth[r])
                         for r, responses in zip(indices, groups) for resp in responses]
-            results = iter(score_across_ranks(scorer, requests))
+            results = iter(map_across_ranks(scorer.score, requests))
             correct, num_correct = [], 0
             for responses in groups:
                 texts = []

@@ -189,3 +189,16 @@ def setup_logging(log_all_ranks: bool = False, level: int = logging.INFO) -> Non
         "[%(asctime)s rank%(rank)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def map_across_ranks(function, items: list) -> list:
+    """``function(share)`` on each rank's contiguous share of ``items`` (it must return one
+    result per item); every rank gets all results back, in item order. Collective."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return list(function(list(items)))
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    n = len(items)
+    local = list(function(list(items[rank * n // world:(rank + 1) * n // world])))
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, local)
+    return [result for part in gathered for result in part]

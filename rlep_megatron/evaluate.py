@@ -98,7 +98,7 @@ def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: flo
     """Sample ``k`` answers per question of ``rows`` with the rollout engine, score them
     (split over ranks, hard timeouts) and report per ``data_source``. Collective."""
     from rlep_megatron.data.prompts import tokenize_prompt
-    from rlep_megatron.reward.distributed import score_across_ranks
+    from rlep_megatron.distributed import map_across_ranks
     from rlep_megatron.reward.pool import ScoreRequest
 
     tokenizer = engine.llm.get_tokenizer()
@@ -108,7 +108,7 @@ def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: flo
                              max_tokens=max_tokens, seed=seed)
     requests = [ScoreRequest(rows.data_source[row], response.text, rows.ground_truth[row])
                 for row, responses in enumerate(groups) for response in responses]
-    results = iter(score_across_ranks(scorer, requests))
+    results = iter(map_across_ranks(scorer.score, requests))
     questions = []
     for row, responses in enumerate(groups):
         scored = [next(results) for _ in responses]

@@ -227,7 +227,7 @@ class Trainer:
     def reward(self, batch: StepBatch) -> None:
         """Score every response (replays too); work split over all ranks."""
         from rlep_megatron.reward import overlong_penalty
-        from rlep_megatron.reward.distributed import score_across_ranks
+        from rlep_megatron.distributed import map_across_ranks
         from rlep_megatron.reward.pool import ScoreRequest
 
         rows = self.train_rows
@@ -235,7 +235,7 @@ class Trainer:
                                  rows.ground_truth[batch.rows[s.group]])
                     for s in batch.sequences]
         cfg = self.cfg
-        for seq, result in zip(batch.sequences, score_across_ranks(self.scorer, requests)):
+        for seq, result in zip(batch.sequences, map_across_ranks(self.scorer.score, requests)):
             seq.score, seq.acc = float(result["score"]), bool(result["acc"])
             seq.reward = seq.score + overlong_penalty(
                 len(seq.token_ids), cfg.rollout.max_response_tokens,
@@ -426,7 +426,8 @@ class Trainer:
         cfg = self.cfg
         resumed = self.checkpoints.maybe_resume(self)
         if self.metrics is not None:
-            self.metrics.truncate_after(self.step)
+            # records after the checkpoint (or all of them on a fresh start) are redone
+            self.metrics.truncate_after(self.step if resumed else -1)
         with Timer().phase("weight_sync"):
             self.weight_sync()  # the engine starts with dummy weights
         interval = cfg.trainer.validation_interval_steps

@@ -108,12 +108,21 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, show_progress: bool = True) -
     return _summary("HF -> megatron", count, num_bytes, time.perf_counter() - start)
 
 
+def resolve_mcore_dir(mcore_dir: str) -> str:
+    """A dist checkpoint directory; a training checkpoint (``checkpoints/step_XXXXXXXX``, whose
+    weights are in ``dist/``) is accepted as well."""
+    if os.path.isfile(os.path.join(mcore_dir, "meta.json")) and os.path.isfile(
+            os.path.join(mcore_dir, "dist", "metadata.json")):
+        return os.path.join(mcore_dir, "dist")
+    return mcore_dir
+
+
 def _resolve_config_dir(mcore_dir: str, hf_config_dir: Optional[str]) -> str:
     if not os.path.isdir(mcore_dir):
         raise FileNotFoundError(f"megatron checkpoint directory not found: {mcore_dir}")
-    if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
+    if not os.path.isfile(os.path.join(resolve_mcore_dir(mcore_dir), "metadata.json")):
         raise FileNotFoundError(f"{mcore_dir} has no metadata.json; is it a megatron-core "
-                                "dist_checkpointing directory?")
+                                "dist_checkpointing directory or a training checkpoint?")
     config_dir = hf_config_dir or os.path.join(mcore_dir, HF_CONFIG_SUBDIR)
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         raise FileNotFoundError(f"no HF config.json in {config_dir}; pass --hf-config-dir with "
@@ -125,8 +134,10 @@ def load_mcore_tp1(mcore_dir: str, hf_config: dict[str, Any]):
     from megatron.core import dist_checkpointing
 
     model, info = _build_tp1(hf_config)
-    state = dist_checkpointing.load(model.sharded_state_dict(), mcore_dir)
-    model.load_state_dict(state)
+    template = model.sharded_state_dict()
+    state = dist_checkpointing.load(template, resolve_mcore_dir(mcore_dir))
+    # a training checkpoint also holds optimizer (and other) state: keep the model's entries
+    model.load_state_dict({key: value for key, value in state.items() if key in template})
     return model, info
 
 

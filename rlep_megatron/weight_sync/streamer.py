@@ -151,16 +151,27 @@ class WeightStreamer:
         gathered: dict[int, list[torch.Tensor]] = {}
         if split:
             sizes = [math.prod(e.local_shape) for e in split]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=self._device())
-            for entry, piece in zip(split, torch.split(flat, sizes)):
-                piece.copy_(self._params[entry.index][0].detach().reshape(-1))
+            source = self._params[split[0].index][0].detach()
+            if len(split) == 1 and source.is_contiguous():
+                flat = source.reshape(-1)  # one tensor (e.g. the embedding): no packing copy
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=self._device())
+                for entry, piece in zip(split, torch.split(flat, sizes)):
+                    piece.copy_(self._params[entry.index][0].detach().reshape(-1))
             out = torch.empty(self._tp_size * flat.numel(), dtype=dtype, device=flat.device)
             torch.distributed.all_gather(list(out.chunk(self._tp_size)), flat,
                                          group=self._tp_group)
             del flat
-            for rank_buf in out.chunk(self._tp_size):
-                for entry, piece in zip(split, torch.split(rank_buf, sizes)):
-                    gathered.setdefault(entry.index, []).append(piece.view(entry.local_shape))
+            rule = self._params[split[0].index][1]
+            if len(split) == 1 and rule.tp_dim == 0 and rule.kind != "gate_up":
+                # rank-major shards split along dim 0 already are the full tensor
+                full_shape = (self._tp_size * split[0].local_shape[0],) + split[0].local_shape[1:]
+                gathered[split[0].index] = [out.view(full_shape)]
+            else:
+                for rank_buf in out.chunk(self._tp_size):
+                    for entry, piece in zip(split, torch.split(rank_buf, sizes)):
+                        gathered.setdefault(entry.index, []).append(
+                            piece.view(entry.local_shape))
         tensors = []
         for entry in bucket.entries:
             param, rule, _ = self._params[entry.index]

@@ -1,11 +1,18 @@
 """``rlep train`` end to end on CPU: RLEP with a pool on 2 ranks (actor TP=2, two rollout
 replicas), and exact resume on 2 ranks with actor PP=2."""
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool, run_rlep,
                                small_task, train_overrides)
+from tests.torchrun import REPO_ROOT, _env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -49,6 +56,29 @@ def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
     assert (out / "checkpoints" / "step_00000002" / "meta.json").is_file()
     assert (out / "config.yaml").is_file()
 
+    # the trained checkpoint converts to HF; evaluating the HF files (loaded by vLLM) and the
+    # training checkpoint (dist checkpoint -> actor -> weight sync) gives the same samples
+    checkpoint = out / "checkpoints" / "step_00000002"
+    hf_out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "tools/convert_mcore_to_hf.py", "--mcore-dir",
+                           str(checkpoint), "--out-dir", str(hf_out), "--hf-config-dir",
+                           tiny_qwen2_dir], cwd=REPO_ROOT, env=_env(None), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trained, initial = load_file(hf_out / "model.safetensors"), load_file(
+        os.path.join(tiny_qwen2_dir, "model.safetensors"))
+    assert trained.keys() == initial.keys()
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained)
+    reports = []
+    for source in (checkpoint, hf_out):
+        path = tmp_path / f"eval_{source.name}.json"
+        run_rlep(["eval", "--config", recipe("tiny_cpu_rlep.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "e"), steps=2),
+                  f"eval.checkpoint={source}", f"eval.output_file={path}",
+                  "eval.num_samples_per_prompt=4"])
+        reports.append(json.loads(path.read_text())["report"])
+    assert reports[0] == reports[1]
+
 
 def test_resume_is_bit_for_bit_with_pipeline_parallel(tiny_qwen2_dir, task, pool, tmp_path):
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
@@ -70,3 +100,25 @@ def test_resume_is_bit_for_bit_with_pipeline_parallel(tiny_qwen2_dir, task, pool
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
     # the steps really trained (the comparison is not between two idle runs)
     assert a[4]["train/grad_norm"] > 0 and a[3]["replay/num_sequences"] > 0
+
+
+def test_dynamic_sampling_keeps_whole_groups_with_signal(tiny_qwen2_dir, task, pool, tmp_path):
+    """Official DAPO's filter: with replays (correct) next to fresh answers of an untrained
+    model (wrong), every group's accuracy varies, so one round fills the batch; without a pool
+    no group has signal and the run stops with a clear error after the allowed rounds."""
+    out = tmp_path / "dyn"
+    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+              *train_overrides(tiny_qwen2_dir, task, str(out), steps=1),
+              f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
+              "algo.dynamic_sampling=true", "algo.max_generation_rounds=3",
+              "trainer.validation_interval_steps=0"])
+    (entry,) = read_jsonl(out / "metrics.jsonl")
+    assert entry["rollout/generation_rounds"] == 1
+    assert entry["rollout/num_groups"] == 4
+    assert entry["replay/fraction"] == pytest.approx(M / (G + M), abs=1e-12)
+    failed = run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                       *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "none"), steps=1),
+                       "algo.dynamic_sampling=true", "algo.max_generation_rounds=2",
+                       "trainer.validation_interval_steps=0"], check=False)
+    assert failed.returncode != 0
+    assert "dynamic sampling kept no group in 2 rounds" in failed.stdout + failed.stderr
