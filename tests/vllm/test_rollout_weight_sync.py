@@ -64,8 +64,8 @@ def test_llama_rollout_tp1_two_replicas(tmp_path, tiny_llama_dir):
     check_layouts(report, ["1x1", "2x1", "1x2"])
 
 
-def test_qwen2_four_ranks_actor_tp2_pp2_rollout_tp2(tmp_path, tiny_qwen2_dir):
-    report = run_program(tmp_path, tiny_qwen2_dir, 4, 2, "2x2")
+def test_llama_four_ranks_actor_tp2_pp2_rollout_tp2(tmp_path, tiny_llama_dir):
+    report = run_program(tmp_path, tiny_llama_dir, 4, 2, "2x2")
     check_sampling(report, dp_size=2)
     check_layouts(report, ["2x2"])
 
