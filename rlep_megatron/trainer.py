@@ -7,7 +7,7 @@ One training step, one named and timed call per phase:
     reward       every response scored (replays too) + overlong shaping
     advantage    per group over G' (mean / unbiased std + eps)
     old_logprob  the actor recomputes log-probs of every response (and the parity probe)
-    train        one epoch of mini-batch updates
+    train        one epoch of mini-batch updates (on GPU the engine sleeps during these two)
     weight_sync  the new weights streamed into the engine
     validate     every ``trainer.validation_interval_steps``
     checkpoint   every ``checkpoint.save_interval_steps`` and at the end
@@ -408,10 +408,13 @@ class Trainer:
         with timer.phase("advantage"):
             self.advantage(batch)
         plan = self.mini_batches(batch)
-        with timer.phase("old_logprob"):
-            train_batches, parity = self.old_logprob(batch, plan)
-        with timer.phase("train"):
-            train = self.train(train_batches)
+        # GPU: the engine's weights and KV cache are released while the actor works (vLLM
+        # sleep); the weight sync below refills them. No-op on CPU.
+        with self.engine.released():
+            with timer.phase("old_logprob"):
+                train_batches, parity = self.old_logprob(batch, plan)
+            with timer.phase("train"):
+                train = self.train(train_batches)
         with timer.phase("weight_sync"):
             self.weight_sync()
         self.step += 1
