@@ -227,7 +227,6 @@ class Trainer:
     def reward(self, batch: StepBatch) -> None:
         """Score every response (replays too); work split over all ranks."""
         from rlep_megatron.reward import overlong_penalty
-        from rlep_megatron.distributed import map_across_ranks
         from rlep_megatron.reward.pool import ScoreRequest
 
         rows = self.train_rows
@@ -235,7 +234,8 @@ class Trainer:
                                  rows.ground_truth[batch.rows[s.group]])
                     for s in batch.sequences]
         cfg = self.cfg
-        for seq, result in zip(batch.sequences, map_across_ranks(self.scorer.score, requests)):
+        for seq, result in zip(batch.sequences,
+                               distributed.map_across_ranks(self.scorer.score, requests)):
             seq.score, seq.acc = float(result["score"]), bool(result["acc"])
             seq.reward = seq.score + overlong_penalty(
                 len(seq.token_ids), cfg.rollout.max_response_tokens,
@@ -272,8 +272,11 @@ class Trainer:
         while len(kept.rows) < want and rounds < self.cfg.algo.max_generation_rounds:
             candidate = self._generate_round(timer, rounds)
             rounds += 1
+            by_group: dict[int, list[Sample]] = {}
+            for s in candidate.sequences:
+                by_group.setdefault(s.group, []).append(s)
             for group, row in enumerate(candidate.rows):
-                members = [s for s in candidate.sequences if s.group == group]
+                members = by_group.get(group, [])
                 accs = {s.acc for s in members}
                 if len(accs) > 1 and len(kept.rows) < want:
                     new_group = len(kept.rows)
@@ -303,7 +306,7 @@ class Trainer:
         """This DP rank's slice of a mini-batch, with old log-probs from the current actor."""
         from rlep_megatron.actor.forward import pad_sequences
         from rlep_megatron.actor.train_step import TrainBatch
-        from rlep_megatron.rollout.parity import actor_logprobs_everywhere
+        from rlep_megatron.rollout.parity import actor_logprobs_everywhere, logprob_abs_diff
 
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
         mine = indices[dp_rank * len(indices) // dp:(dp_rank + 1) * len(indices) // dp]
@@ -319,16 +322,12 @@ class Trainer:
                                         self.pad_id, micro_batch_size=micro,
                                         temperature=self.cfg.rollout.temperature)
         # parity probe on fresh tokens: vLLM's log-probs vs the actor's (same weights)
-        diff_sum, diff_count = 0.0, 0
-        for row, (seq, start) in enumerate(zip(seqs, starts)):
-            if seq.source == FRESH and seq.engine_logprobs:
-                actor = old[row, start:start + len(seq.engine_logprobs)].double()
-                diff_sum += float((actor - torch.tensor(seq.engine_logprobs,
-                                                        dtype=torch.float64)).abs().sum())
-                diff_count += len(seq.engine_logprobs)
+        fresh = [row for row, s in enumerate(seqs) if s.source == FRESH and s.engine_logprobs]
+        parity = logprob_abs_diff([seqs[r].engine_logprobs for r in fresh], old[fresh],
+                                  [starts[r] for r in fresh])
         train = TrainBatch(ids, mask, old, torch.tensor([s.advantage for s in seqs]),
                            torch.tensor([s.source == REPLAY for s in seqs]))
-        return train, diff_sum, diff_count
+        return train, parity["mean"] * parity["tokens"], parity["tokens"]
 
     def old_logprob(self, batch: StepBatch, plan: list[list[int]]):
         parts = [self._train_batch(batch, indices) for indices in plan]
@@ -431,8 +430,7 @@ class Trainer:
         if self.metrics is not None:
             # records after the checkpoint (or all of them on a fresh start) are redone
             self.metrics.truncate_after(self.step if resumed else -1)
-        with Timer().phase("weight_sync"):
-            self.weight_sync()  # the engine starts with dummy weights
+        self.weight_sync()  # the engine starts with dummy weights
         interval = cfg.trainer.validation_interval_steps
         if self.val_rows is not None and interval and not resumed:
             self._log(self.step, self._timed_validate())

@@ -59,16 +59,11 @@ def request_seed(seed: int, prompt_index: int, n: int) -> int:
     return int.from_bytes(digest, "little") % (2 ** 31 - n)
 
 
-def _sleep_mode_supported() -> bool:
-    return platform.cuda_available()
-
-
 class RolloutEngine:
     """One vLLM engine replica per rollout group; collective over the whole world."""
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, dtype: str = "auto",
-                 seed: int = 0, max_model_len: int = 4096, load_weights: bool = True,
-                 enforce_eager: Optional[bool] = None):
+                 seed: int = 0, max_model_len: int = 4096, load_weights: bool = True):
         if not torch.distributed.is_initialized():
             raise RuntimeError("RolloutEngine needs torch.distributed initialised first "
                                "(rlep_megatron.distributed.init_process_group)")
@@ -90,7 +85,7 @@ class RolloutEngine:
         self.tp_size = tp
         self.dp_size = world // tp
         self.dp_rank = self.rank // tp
-        self.sleep_enabled = cfg.enable_sleep_mode and _sleep_mode_supported()
+        self.sleep_enabled = cfg.enable_sleep_mode and platform.cuda_available()
         self._stale_reason: Optional[str] = None if load_weights else (
             "it was started with dummy weights and no weight sync has completed yet")
         self._asleep = False
@@ -100,8 +95,6 @@ class RolloutEngine:
         started = time.perf_counter()
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
-        if enforce_eager is not None:
-            settings["enforce_eager"] = enforce_eager
         self.llm = LLM(
             model=model_dir, dtype=dtype, seed=seed,
             tensor_parallel_size=tp, data_parallel_size=self.dp_size,
