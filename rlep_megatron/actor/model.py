@@ -88,9 +88,12 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
 
 
 def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
-                recompute_activations: bool = False) -> tuple[list[torch.nn.Module],
-                                                              ActorModelInfo]:
-    """GPTModel chunks of this rank (one per virtual pipeline stage), weights uninitialised."""
+                recompute_activations: bool = False, on_meta_device: bool = False
+                ) -> tuple[list[torch.nn.Module], ActorModelInfo]:
+    """GPTModel chunks of this rank (one per virtual pipeline stage), weights uninitialised.
+
+    ``on_meta_device`` builds them without storage: shapes, names and sharding metadata only
+    (the streaming conversion tools work from such a skeleton)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -111,16 +114,18 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     padded = layout.padded_vocab_size(dims.vocab_size, tp)
     chunks = []
+    device = torch.device("meta") if on_meta_device else _current_device()
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunk = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=padded,
-            max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings")),
-            position_embedding_type="rope", vp_stage=stage, **arch.model_kwargs(hf_config))
-        chunks.append(chunk.to(_current_device()))
+        with device:
+            chunk = GPTModel(
+                config=config, transformer_layer_spec=spec, vocab_size=padded,
+                max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings")),
+                position_embedding_type="rope", vp_stage=stage, **arch.model_kwargs(hf_config))
+        chunks.append(chunk if on_meta_device else chunk.to(device))
     info = ActorModelInfo(hf_config=hf_config, dims=dims, padded_vocab_size=padded,
                           params_dtype=params_dtype, use_te=use_te)
     return chunks, info

@@ -1,19 +1,22 @@
 """HF safetensors <-> megatron-core ``dist_checkpointing`` (torch_dist) conversion.
 
-HF -> Megatron builds the model at TP=1 x PP=1 in this process, fills it from the safetensors
-one tensor at a time (through the same mapping tables as the actor and weight sync), and saves a
-``dist_checkpointing`` checkpoint, which megatron-core loads at any TP/PP. The HF config and
-tokenizer files are copied into ``<out>/hf_config`` so the checkpoint is self-describing.
+HF -> Megatron writes a ``dist_checkpointing`` checkpoint (loadable by megatron-core at any
+TP/PP) of the TP=1 x PP=1 model, making each tensor from the HF safetensors (through the same
+mapping tables as the actor and weight sync) only when the checkpoint writer reaches it. The HF
+config and tokenizer files are copied into ``<out>/hf_config`` so the checkpoint is
+self-describing.
 
-Megatron -> HF loads that checkpoint at TP=1 x PP=1 and writes HF tensors (sharded with an
-index above ``max_shard_bytes``), plus config and tokenizer files. Parameters keep the dtype of
-``config.json``, so a round trip reproduces every HF tensor bit for bit.
+Megatron -> HF reads that checkpoint (or a training checkpoint's model part) one layer at a time
+and writes HF tensors, sharded with an index above ``max_shard_bytes``, plus config and
+tokenizer files. Parameters keep the dtype of ``config.json``, so a round trip reproduces every
+HF tensor bit for bit.
 
 Both write into a temporary directory next to the output and rename it when complete: a failed
 or interrupted conversion leaves no partial output.
 
-Memory: the model is held once (about the checkpoint size) plus the tensor in flight; the
-checkpoint writer and the safetensors writer work tensor by tensor from it.
+Memory (:mod:`rlep_megatron.checkpoint.streaming`): neither direction holds the model; peak is
+about one layer's tensors plus one tensor being re-laid out (plus, megatron -> HF, the
+safetensors shard being filled).
 """
 from __future__ import annotations
 
@@ -62,10 +65,11 @@ def _single_process_model_parallel() -> None:
     distributed.init_model_parallel(ParallelConfig(), seed=0)
 
 
-def _build_tp1(hf_config: dict[str, Any]):
+def _skeleton(hf_config: dict[str, Any]):
+    """The TP=1 x PP=1 model on the meta device (names, shapes, sharding; no storage)."""
     from rlep_megatron.actor.model import build_model
 
-    chunks, info = build_model(hf_config, hf_dtype(hf_config))
+    chunks, info = build_model(hf_config, hf_dtype(hf_config), on_meta_device=True)
     return chunks[0], info
 
 
@@ -75,10 +79,11 @@ def _summary(kind: str, tensors: int, num_bytes: int, seconds: float) -> str:
 
 
 def convert_hf_to_mcore(hf_dir: str, out_dir: str, show_progress: bool = True) -> str:
-    """HF checkpoint directory -> megatron-core dist checkpoint; returns a summary line."""
-    from megatron.core import dist_checkpointing
+    """HF checkpoint directory -> megatron-core dist checkpoint; returns a summary line.
 
-    from rlep_megatron.actor.model import iter_params_with_rules
+    Streams: each megatron tensor is made from its HF tensors when the checkpoint writer
+    reaches it and is dropped once written."""
+    from rlep_megatron.checkpoint.streaming import save_streaming
     from rlep_megatron.metrics import progress
 
     hf_config = load_hf_config(hf_dir)
@@ -86,26 +91,31 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, show_progress: bool = True) -
     reader = SafetensorsReader(hf_dir)  # fails on missing weights before any work
     _single_process_model_parallel()
     start = time.perf_counter()
+    totals = {"bytes": 0, "tensors": 0}
     with staged_output(out_dir) as staging:
-        model, info = _build_tp1(hf_config)
+        skeleton, info = _skeleton(hf_config)
         rules = arch.rules(hf_config)
-        params = list(iter_params_with_rules(model, rules))
-        num_bytes, count = 0, 0
-        for name, param, rule, layer in progress(params, desc="HF -> megatron", unit="tensor",
-                                                 enabled=show_progress):
-            tensors = [reader.get(n.format(layer=layer)) for n in rule.hf_names]
-            for n, tensor in zip(rule.hf_names, tensors):
-                if tensor.dtype != param.dtype:
-                    raise ValueError(f"{n.format(layer=layer)} is {tensor.dtype} but config.json "
-                                     f"says {param.dtype}; fix the config's dtype")
-            full = layout.hf_to_full(rule, tensors, info.dims, info.padded_vocab_size)
-            with torch.no_grad():
-                param.copy_(full)
-            num_bytes += sum(t.numel() * t.element_size() for t in tensors)
-            count += len(tensors)
-        dist_checkpointing.save(model.sharded_state_dict(), staging)
+        dtype = hf_dtype(hf_config)
+
+        def materialize(rule, layer):
+            names = [n.format(layer=layer) for n in rule.hf_names]
+            tensors = [reader.get(n) for n in names]
+            for name, tensor in zip(names, tensors):
+                if tensor.dtype != dtype:
+                    raise ValueError(f"{name} is {tensor.dtype} but config.json says {dtype}; "
+                                     "fix the config's dtype")
+            totals["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+            totals["tensors"] += len(tensors)
+            return layout.hf_to_full(rule, tensors, info.dims, info.padded_vocab_size)
+
+        num_params = sum(1 for _ in skeleton.parameters())
+        with progress(total=num_params, desc="HF -> megatron", unit="tensor",
+                      enabled=show_progress) as bar:
+            save_streaming(skeleton, rules, materialize, staging,
+                           on_tensor=lambda _name: bar.update(1))
         copy_hf_side_files(hf_dir, os.path.join(staging, HF_CONFIG_SUBDIR))
-    return _summary("HF -> megatron", count, num_bytes, time.perf_counter() - start)
+    return _summary("HF -> megatron", totals["tensors"], totals["bytes"],
+                    time.perf_counter() - start)
 
 
 def resolve_mcore_dir(mcore_dir: str) -> str:
@@ -130,23 +140,13 @@ def _resolve_config_dir(mcore_dir: str, hf_config_dir: Optional[str]) -> str:
     return config_dir
 
 
-def load_mcore_tp1(mcore_dir: str, hf_config: dict[str, Any]):
-    from megatron.core import dist_checkpointing
-
-    model, info = _build_tp1(hf_config)
-    template = model.sharded_state_dict()
-    state = dist_checkpointing.load(template, resolve_mcore_dir(mcore_dir))
-    # a training checkpoint also holds optimizer (and other) state: keep the model's entries
-    model.load_state_dict({key: value for key, value in state.items() if key in template})
-    return model, info
-
-
 def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[str] = None,
                         max_shard_bytes: int = 5 * 1024 ** 3, show_progress: bool = True) -> str:
-    """megatron-core dist checkpoint -> HF directory; returns a summary line."""
+    """megatron-core dist checkpoint (or a training checkpoint) -> HF directory; returns a
+    summary line. Reads one layer at a time and flushes each safetensors shard when full."""
     from safetensors.torch import save_file
 
-    from rlep_megatron.actor.model import iter_params_with_rules
+    from rlep_megatron.checkpoint.streaming import iter_checkpoint_params
     from rlep_megatron.metrics import progress
 
     config_dir = _resolve_config_dir(mcore_dir, hf_config_dir)
@@ -155,21 +155,23 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[st
     _single_process_model_parallel()
     start = time.perf_counter()
     with staged_output(out_dir) as staging:
-        model, info = load_mcore_tp1(mcore_dir, hf_config)
+        skeleton, info = _skeleton(hf_config)
         rules = arch.rules(hf_config)
         tied = bool(hf_config.get("tie_word_embeddings"))
         writer = _ShardWriter(staging, max_shard_bytes, save_file)
         num_bytes, count = 0, 0
-        params = list(iter_params_with_rules(model, rules))
-        for name, param, rule, layer in progress(params, desc="megatron -> HF", unit="tensor",
+        params = iter_checkpoint_params(skeleton, rules, resolve_mcore_dir(mcore_dir))
+        for _name, rule, layer, full in progress(params, total=sum(1 for _ in
+                                                                   skeleton.parameters()),
+                                                 desc="megatron -> HF", unit="tensor",
                                                  enabled=show_progress):
             if tied and rule.mcore_name == "output_layer.weight":
                 continue  # the HF checkpoint of a tied model has no lm_head
-            for hf_name, tensor in zip(rule.hf_names, layout.full_to_hf(rule, param.detach(),
-                                                                        info.dims)):
+            for hf_name, tensor in zip(rule.hf_names, layout.full_to_hf(rule, full, info.dims)):
                 writer.add(hf_name.format(layer=layer), tensor)
                 num_bytes += tensor.numel() * tensor.element_size()
                 count += 1
+            del full
         writer.finish()
         copy_hf_side_files(config_dir, staging)
     return _summary("megatron -> HF", count, num_bytes, time.perf_counter() - start)
