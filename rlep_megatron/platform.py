@@ -15,6 +15,10 @@ CUDA assumptions hold on CPU:
   identity for the duration of the call only.
 * functions that assert CUDA tensor types (gradient clipping) are replaced, in the megatron
   modules that import them, by CPU versions with the same semantics (:data:`_CPU_FUNCTIONS`).
+* gloo lacks the reduce-scatter and all-gather-into-tensor collectives that megatron's
+  distributed optimizer uses, and the optimizer groups parameters by CUDA type names: the
+  collectives are replaced by gloo equivalents in the modules that bind them, and
+  :data:`_METHODS_CHECKING_CUDA_TYPES` run with ``Tensor.type()`` answering CUDA names.
 * megatron's CUDA RNG tracker is replaced by :class:`CpuRNGStatesTracker`, which keeps its own
   ``torch.Generator`` states per name; mapping the tracker onto the global CPU generator makes
   megatron warn "CPU RNG state changed within GPU RNG context" and couples the streams.
@@ -100,13 +104,6 @@ def megatron_config_overrides() -> dict:
     activations and gradients of equal shape (silently wrong losses in the interleaved
     schedule). The unbatched path sends the two directions on two communicators."""
     return {} if cuda_available() else {"batch_p2p_comm": False}
-
-
-def distributed_optimizer_available() -> bool:
-    """megatron's distributed optimizer checks for CUDA tensor types and reduce-scatters
-    gradients, which gloo does not implement: on CPU the actor falls back to DDP all-reduce with
-    a replicated AdamW (same numerics, more optimizer memory)."""
-    return cuda_available()
 
 
 def transformer_engine_available() -> bool:
@@ -363,8 +360,90 @@ def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _gloo_reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+    """``reduce_scatter_tensor`` for gloo, which lacks it: all-reduce a copy, keep this rank's
+    equal slice. Used by megatron's distributed optimizer to reduce-scatter gradient buckets."""
+    import torch.distributed as dist
+
+    op = dist.ReduceOp.SUM if op is None else op
+    average = op == dist.ReduceOp.AVG
+    reduced = input.detach().clone()
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM if average else op, group=group)
+    world = dist.get_world_size(group)
+    piece = reduced.view(world, -1)[dist.get_rank(group)]
+    output.copy_((piece / world if average else piece).view_as(output))
+    return _DoneWork() if async_op else None
+
+
+def _gloo_all_gather_into_tensor(output, input, group=None, async_op=False):
+    """``all_gather_into_tensor`` through gloo's list all-gather into views of ``output``
+    (the distributed optimizer gathers updated parameter shards this way)."""
+    import torch.distributed as dist
+
+    views = list(output.view(dist.get_world_size(group), -1).unbind(0))
+    dist.all_gather(views, input.detach().reshape(-1).contiguous(), group=group)
+    return _DoneWork() if async_op else None
+
+
+class _DoneWork:
+    """The handle of a collective that already completed (gloo collectives above are
+    synchronous)."""
+
+    def wait(self, *_args, **_kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+@contextlib.contextmanager
+def _no_coalescing(*_args, **_kwargs):
+    """``torch.distributed._coalescing_manager`` without coalescing: gloo runs each collective
+    as issued, so there is nothing to batch and no handle to return."""
+    yield None
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _cuda_type_names(method):
+    """Run ``method`` with ``Tensor.type()`` answering CUDA type names for CPU tensors: the
+    distributed optimizer sorts parameters into fp32 / 16-bit groups by those names."""
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.type
+
+        def cuda_named(self, *type_args, **type_kwargs):
+            result = original(self, *type_args, **type_kwargs)
+            if type_args or type_kwargs:
+                return result
+            return _CUDA_TYPE_NAMES.get(result, result)
+
+        torch.Tensor.type = cuda_named
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    wrapped._rlep_cpu_shim = True
+    return wrapped
+
+
+# (module, class, method) of megatron code that checks ``tensor.type()`` for CUDA names.
+_METHODS_CHECKING_CUDA_TYPES = (
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+)
+
 # (modules, function name, CPU replacement), patched in every listed module's namespace.
 _CPU_FUNCTIONS = (
+    (("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings"),
+     "dist_reduce_scatter_func", _gloo_reduce_scatter_tensor),
+    (("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings"),
+     "dist_all_gather_func", _gloo_all_gather_into_tensor),
+    (("megatron.core.distributed.param_and_grad_buffer",), "_coalescing_manager",
+     _no_coalescing),
     (("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer",
       "megatron.core.optimizer.distrib_optimizer"), "clip_grad_by_total_norm_fp32",
      _cpu_clip_grad_by_total_norm_fp32),
@@ -410,6 +489,11 @@ def install_megatron_cpu_shim() -> bool:
         method = getattr(cls, method_name)
         if not getattr(method, "_rlep_cpu_shim", False):
             setattr(cls, method_name, _tensor_cuda_is_identity(method))
+    for module_name, class_name, method_name in _METHODS_CHECKING_CUDA_TYPES:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        method = getattr(cls, method_name)
+        if not getattr(method, "_rlep_cpu_shim", False):
+            setattr(cls, method_name, _cuda_type_names(method))
     for module_names, function_name, replacement in _CPU_FUNCTIONS:
         for module_name in module_names:
             module = importlib.import_module(module_name)

@@ -132,7 +132,7 @@ class Trainer:
     def _build_parallel_and_models(self) -> None:
         from rlep_megatron.actor.model import (build_from_hf, build_model, load_mcore_weights,
                                                resolve_dtype)
-        from rlep_megatron.actor.optimizer import (build_optimizer, use_distributed_optimizer,
+        from rlep_megatron.actor.optimizer import (build_optimizer,
                                                    wrap_ddp)
         from rlep_megatron.rollout import RolloutEngine
         from rlep_megatron.weight_sync import WeightStreamer
@@ -149,7 +149,7 @@ class Trainer:
         else:
             self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
                                                    cfg.model.recompute_activations)
-        self.chunks = wrap_ddp(self.chunks, use_distributed_optimizer(cfg.optim))
+        self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
         self.max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
         self.engine = RolloutEngine(

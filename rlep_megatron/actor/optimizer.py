@@ -1,5 +1,5 @@
-"""The actor's optimizer: megatron-core DDP wrapping, AdamW (distributed optimizer when the
-backend supports it), linear warmup then constant learning rate, grad-norm clipping, and a step
+"""The actor's optimizer: megatron-core DDP wrapping, AdamW (megatron's distributed optimizer,
+which shards the Adam state over data-parallel ranks, unless turned off), linear warmup then constant learning rate, grad-norm clipping, and a step
 that is skipped (and counted) when the grad norm is not finite (RLEP_SPEC.md sections 4, 8).
 """
 from __future__ import annotations
@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rlep_megatron import platform
 from rlep_megatron.config import OptimConfig
 
 logger = logging.getLogger(__name__)
@@ -86,18 +85,13 @@ class ActorOptimizer:
         self.num_skipped = int(state["num_skipped"])
 
 
-def use_distributed_optimizer(config: OptimConfig) -> bool:
-    """``optim.use_distributed_optimizer``, where the platform supports it (CUDA)."""
-    return config.use_distributed_optimizer and platform.distributed_optimizer_available()
-
-
 def build_optimizer(chunks: list[torch.nn.Module], config: OptimConfig,
                     params_dtype: torch.dtype) -> ActorOptimizer:
     """The optimizer for DDP-wrapped chunks (wrap them with ``wrap_ddp(chunks,
-    use_distributed_optimizer(config))``)."""
+    config.use_distributed_optimizer)``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    use_distributed = use_distributed_optimizer(config)
+    use_distributed = config.use_distributed_optimizer
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=config.lr, min_lr=0.0, weight_decay=config.weight_decay,
         adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Any
 
 import torch
@@ -24,12 +25,40 @@ def load_hf_config(hf_dir: str) -> dict[str, Any]:
             raise ValueError(f"{path}: not valid JSON ({err})") from None
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
+           "F16": torch.float16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+    """``({name: {"dtype", "shape", "data_offsets"}}, offset of the data section)`` of a
+    safetensors file, checked against the file's size."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a {size}-byte file")
+            header = json.loads(f.read(length))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable safetensors file (truncated or corrupt?): "
+                         f"{err}") from None
+    header.pop("__metadata__", None)
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end > size:
+        raise ValueError(f"{path}: truncated safetensors file ({size} bytes, the header "
+                         f"describes {8 + length + end})")
+    return header, 8 + length
+
+
 class SafetensorsReader:
-    """Tensor-by-tensor access to ``model.safetensors`` or an index of shards."""
+    """Tensor-by-tensor access to ``model.safetensors`` or an index of shards.
+
+    Tensors are read with plain file reads into fresh tensors (no memory map), so a pass over
+    a checkpoint keeps only the tensors still referenced resident, not the files' pages."""
 
     def __init__(self, hf_dir: str):
-        from safetensors import safe_open
-
         self.hf_dir = hf_dir
         index_path = os.path.join(hf_dir, INDEX_FILE)
         if os.path.isfile(index_path):
@@ -39,23 +68,18 @@ class SafetensorsReader:
             self.weight_map = None
         else:
             raise FileNotFoundError(f"{hf_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self._safe_open = safe_open
-        self._handles: dict[str, Any] = {}
+        self._headers: dict[str, tuple[dict[str, Any], int]] = {}
         if self.weight_map is None:
-            handle = self._open(SINGLE_FILE)
-            self.weight_map = {name: SINGLE_FILE for name in handle.keys()}
+            header, _ = self._header(SINGLE_FILE)
+            self.weight_map = {name: SINGLE_FILE for name in header}
 
-    def _open(self, file_name: str):
-        if file_name not in self._handles:
+    def _header(self, file_name: str) -> tuple[dict[str, Any], int]:
+        if file_name not in self._headers:
             path = os.path.join(self.hf_dir, file_name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} is listed in {INDEX_FILE} but missing")
-            try:
-                self._handles[file_name] = self._safe_open(path, framework="pt", device="cpu")
-            except Exception as err:
-                raise ValueError(f"{path}: unreadable safetensors file (truncated or corrupt?): "
-                                 f"{err}") from None
-        return self._handles[file_name]
+            self._headers[file_name] = read_safetensors_header(path)
+        return self._headers[file_name]
 
     def names(self) -> list[str]:
         return sorted(self.weight_map)
@@ -67,10 +91,21 @@ class SafetensorsReader:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} not found in {self.hf_dir}")
         file_name = self.weight_map[name]
-        try:
-            return self._open(file_name).get_tensor(name)
-        except (ValueError, FileNotFoundError):
-            raise
-        except Exception as err:
-            raise ValueError(f"{os.path.join(self.hf_dir, file_name)}: cannot read {name!r} "
-                             f"(truncated or corrupt?): {err}") from None
+        header, data_start = self._header(file_name)
+        path = os.path.join(self.hf_dir, file_name)
+        if name not in header:
+            raise ValueError(f"{path} has no tensor {name!r} although {INDEX_FILE} lists it")
+        entry = header[name]
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: {name!r} has unsupported dtype {entry['dtype']}")
+        start, end = entry["data_offsets"]
+        tensor = torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
+        if tensor.numel() * tensor.element_size() != end - start:
+            raise ValueError(f"{path}: {name!r} has {end - start} bytes for shape "
+                             f"{entry['shape']} {entry['dtype']} (corrupt header?)")
+        with open(path, "rb") as f:
+            f.seek(data_start + start)
+            read = f.readinto(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+        if read != end - start:
+            raise ValueError(f"{path}: truncated while reading {name!r}")
+        return tensor

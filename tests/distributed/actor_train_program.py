@@ -8,7 +8,7 @@ import torch
 from rlep_megatron import distributed
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import build_from_hf
-from rlep_megatron.actor.optimizer import build_optimizer, use_distributed_optimizer, wrap_ddp
+from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
 from rlep_megatron.weight_sync.streamer import WeightStreamer
@@ -45,6 +45,8 @@ def main():
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
     parser.add_argument("--micro-batch-max-tokens", type=int, default=40)
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="megatron's distributed optimizer (optimizer state sharded over DP)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     ctx = distributed.init_model_parallel(
@@ -55,8 +57,8 @@ def main():
     # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise
     # amplify 1e-9 differences in near-zero gradients to O(lr)
     optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.1, clip_grad=1.0,
-                            adam_eps=1e-3)
-    chunks = wrap_ddp(chunks, use_distributed_optimizer(optim_cfg))
+                            adam_eps=1e-3, use_distributed_optimizer=args.distributed_optimizer)
+    chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
 
     input_ids, response_mask, advantages, is_replay, noise = global_batch()

@@ -7,7 +7,7 @@ import torch
 from rlep_megatron import distributed
 from rlep_megatron.actor.forward import pad_sequences
 from rlep_megatron.actor.model import build_from_hf
-from rlep_megatron.actor.optimizer import build_optimizer, use_distributed_optimizer, wrap_ddp
+from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
 from rlep_megatron.rollout.parity import actor_logprobs_everywhere
@@ -18,7 +18,7 @@ def main(hf_dir: str, out: str, tp: int = 1, pp: int = 1) -> None:
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     chunks, info = build_from_hf(hf_dir, "float32")
     cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.0)
-    chunks = wrap_ddp(chunks, use_distributed_optimizer(cfg))
+    chunks = wrap_ddp(chunks, cfg.use_distributed_optimizer)
     optimizer = build_optimizer(chunks, cfg, torch.float32)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (6,), generator=g).tolist() for _ in range(4)]

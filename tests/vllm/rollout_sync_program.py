@@ -15,7 +15,7 @@ import torch
 from rlep_megatron import distributed
 from rlep_megatron.actor.forward import pad_sequences
 from rlep_megatron.actor.model import build_from_hf
-from rlep_megatron.actor.optimizer import build_optimizer, use_distributed_optimizer, wrap_ddp
+from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig, RolloutConfig
@@ -99,7 +99,7 @@ def main():
             num_layers=hf_config["num_hidden_layers"])
         chunks, info = build_from_hf(args.hf_dir, "float32")
         optim_cfg = OptimConfig(lr=2e-2, lr_warmup_steps=0, weight_decay=0.0, clip_grad=1.0)
-        chunks = wrap_ddp(chunks, use_distributed_optimizer(optim_cfg))
+        chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
         optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
         streamer = WeightStreamer(chunks, info, args.bucket_bytes)
         entry = {"buckets": len(streamer.buckets), "tensors": len(streamer.names)}
