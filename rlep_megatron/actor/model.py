@@ -209,15 +209,20 @@ def load_model_state_dict(chunks: list[torch.nn.Module], state: dict) -> None:
         unwrap(chunk).load_state_dict(state[f"model{i}"])
 
 
-def load_mcore_weights(chunks: list[torch.nn.Module], mcore_dir: str) -> None:
-    """Load a megatron-core dist checkpoint (any saved layout) into this rank's chunks."""
+def load_mcore_weights(chunks: list[torch.nn.Module], path: str) -> None:
+    """Load a megatron-core dist checkpoint (any saved layout) into this rank's chunks: a
+    converted checkpoint or a training checkpoint (``checkpoints/step_XXXXXXXX``, model part)."""
     import os
 
     from megatron.core import dist_checkpointing
 
-    if not os.path.isfile(os.path.join(mcore_dir, "metadata.json")):
-        raise FileNotFoundError(f"{mcore_dir} is not a megatron-core dist checkpoint (no "
-                                "metadata.json)")
-    for chunk in chunks:
-        state = dist_checkpointing.load(chunk.sharded_state_dict(), mcore_dir)
-        chunk.load_state_dict(state)
+    from rlep_megatron.checkpoint.convert import resolve_mcore_dir
+
+    directory = resolve_mcore_dir(path)
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):
+        raise FileNotFoundError(f"{path} is neither a megatron-core dist checkpoint nor a "
+                                "training checkpoint (no metadata.json)")
+    # keys are global parameter names, so the nesting of a training checkpoint's state
+    # ({"model": ..., "optimizer": ...}) does not matter
+    state = dist_checkpointing.load(model_sharded_state_dict(chunks), directory)
+    load_model_state_dict(chunks, state)

@@ -77,6 +77,41 @@ class ActorOptimizer:
         self.num_steps += 1
         return True, grad_norm
 
+    def create_state(self) -> None:
+        """Create Adam's (lazily built) state before loading a checkpoint into it: the
+        distributed optimizer's sharded state dict reads the current state's step count. Runs
+        one zero-gradient step at learning rate 0, so no parameter moves."""
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for megatron_optimizer in inner:
+            torch_optimizer = megatron_optimizer.optimizer
+            if torch_optimizer.state:
+                continue
+            saved_lr = [group["lr"] for group in torch_optimizer.param_groups]
+            for group in torch_optimizer.param_groups:
+                group["lr"] = 0.0
+                for param in group["params"]:
+                    param.grad = torch.zeros_like(param)
+            torch_optimizer.step()
+            for group, lr in zip(torch_optimizer.param_groups, saved_lr):
+                group["lr"] = lr
+                for param in group["params"]:
+                    param.grad = None
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Load the optimizer part of a dist checkpoint (after :meth:`create_state`)."""
+        # with fp32 parameters the distributed optimizer's main parameters are views of the
+        # model's (leaves that require grad): copy into them without autograd
+        with torch.no_grad():
+            self.optimizer.load_state_dict(state)
+        # megatron's distributed optimizer (without apex / TE) gives every parameter's Adam
+        # state one shared step tensor; torch's Adam increments each parameter's step in place,
+        # so a shared one would advance once per parameter and skew the bias correction
+        for megatron_optimizer in getattr(self.optimizer, "chained_optimizers",
+                                          [self.optimizer]):
+            for param_state in megatron_optimizer.optimizer.state.values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = param_state["step"].clone()
+
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "num_skipped": self.num_skipped}
 

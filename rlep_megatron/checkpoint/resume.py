@@ -4,9 +4,12 @@ Layout under ``<trainer.output_dir>/checkpoints/``::
 
     step_00000010/
         dist/              megatron-core dist checkpoint: model and optimizer state (torch_dist;
-                           loads at any TP/PP)
+                           the model loads at any TP/PP; the distributed optimizer's state at
+                           any DP, and at another TP/PP only when saved with
+                           checkpoint.optimizer_fully_reshardable)
         trainer_state.pt   step, prompt sampler, replay sampler, optimizer counters, RNG states
-        meta.json          written last: step, model fingerprint, "complete": true
+        meta.json          written last: step, model fingerprint, parallel layout,
+                           "complete": true
 
 A checkpoint is written into ``.step_XXXXXXXX.partial`` and renamed when every part is on disk,
 so a process killed mid-save leaves the previous checkpoint as the newest complete one. After a
@@ -40,6 +43,15 @@ def model_fingerprint(hf_config: dict) -> dict:
     return {key: hf_config.get(key) for key in _FINGERPRINT_KEYS}
 
 
+def check_checkpoint_model(path: str, hf_config: dict, hf_dir: str) -> dict:
+    """A training checkpoint's meta.json, after checking it is of the model in ``hf_dir``."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("model") != model_fingerprint(hf_config):
+        raise ValueError(f"checkpoint {path} is of another model than model.hf_dir={hf_dir!r}")
+    return meta
+
+
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
     """``(step, path)`` of complete checkpoints under ``root``, oldest first."""
     if not os.path.isdir(root):
@@ -63,6 +75,7 @@ class CheckpointManager:
     def __init__(self, cfg, hf_config: dict):
         self.cfg = cfg
         self.root = os.path.join(cfg.trainer.output_dir, "checkpoints")
+        self.hf_config = hf_config
         self.fingerprint = model_fingerprint(hf_config)
 
     def _resume_path(self) -> Optional[str]:
@@ -93,20 +106,55 @@ class CheckpointManager:
                     f"{ {k: self.fingerprint[k] for k in diff} }); choose a new output_dir")
         path = self._resume_path()
         if path is not None:
-            with open(os.path.join(path, "meta.json")) as f:
-                if json.load(f).get("model") != self.fingerprint:
-                    raise ValueError(f"checkpoint {path} is of another model than "
-                                     f"model.hf_dir={self.cfg.model.hf_dir!r}")
+            self._check_layout(path, check_checkpoint_model(path, self.hf_config,
+                                                            self.cfg.model.hf_dir))
 
     # ------------------------------------------------------------------ state
 
-    @staticmethod
-    def _sharded_state(trainer, is_loading: bool = False) -> dict:
+    def _optimizer_format(self) -> str:
+        return ("fully_reshardable" if self.cfg.checkpoint.optimizer_fully_reshardable
+                else "dp_reshardable")
+
+    def _layout(self) -> dict:
+        parallel = self.cfg.parallel
+        return {"tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size":
+                    parallel.virtual_pipeline_model_parallel_size,
+                "distributed_optimizer": self.cfg.optim.use_distributed_optimizer,
+                "optimizer_format": self._optimizer_format()}
+
+    def _check_layout(self, path: str, meta: dict) -> None:
+        """The distributed optimizer's dp_reshardable state is laid out by TP/PP (and the
+        replicated optimizer's state differs in kind): refuse a mismatch with what to do."""
+        saved, now = meta.get("layout"), self._layout()
+        if saved is None or saved == now:
+            return
+        model_parallel = [k for k in ("tensor_model_parallel_size",
+                                      "pipeline_model_parallel_size",
+                                      "virtual_pipeline_model_parallel_size")
+                          if saved.get(k) != now[k]]
+        if saved["distributed_optimizer"] != now["distributed_optimizer"]:
+            raise ValueError(f"checkpoint {path} was saved with optim.use_distributed_optimizer="
+                             f"{str(saved['distributed_optimizer']).lower()}; resume with the "
+                             "same setting")
+        if (model_parallel and saved["distributed_optimizer"]
+                and saved["optimizer_format"] != "fully_reshardable"):
+            raise ValueError(
+                f"checkpoint {path} holds distributed-optimizer state laid out for "
+                f"{ {k: saved.get(k) for k in model_parallel} }, this run uses "
+                f"{ {k: now[k] for k in model_parallel} }; resume with that layout (any "
+                "data-parallel size works), or save with "
+                "checkpoint.optimizer_fully_reshardable=true to change TP/PP on resume")
+
+    def _sharded_state(self, trainer, is_loading: bool = False) -> dict:
         from rlep_megatron.actor.model import model_sharded_state_dict
 
         model = model_sharded_state_dict(trainer.chunks)
         # when loading, megatron first creates the (lazily built) Adam state to load into
-        optimizer = trainer.optimizer.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        optimizer = trainer.optimizer.optimizer.sharded_state_dict(
+            model, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": self._optimizer_format()})
         return {"model": model, "optimizer": optimizer}
 
     @staticmethod
@@ -137,7 +185,8 @@ class CheckpointManager:
         torch.distributed.barrier()
         if rank0:
             torch.save(self._trainer_state(trainer), os.path.join(partial, "trainer_state.pt"))
-            meta = {"step": trainer.step, "model": self.fingerprint, "complete": True}
+            meta = {"step": trainer.step, "model": self.fingerprint, "layout": self._layout(),
+                    "complete": True}
             with open(os.path.join(partial, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -159,12 +208,13 @@ class CheckpointManager:
         path = self._resume_path()
         if path is None:
             return False
+        trainer.optimizer.create_state()
         sharded = self._sharded_state(trainer, is_loading=True)
         state = dist_checkpointing.load(sharded, os.path.join(path, "dist"))
         from rlep_megatron.actor.model import load_model_state_dict
 
         load_model_state_dict(trainer.chunks, state["model"])
-        trainer.optimizer.optimizer.load_state_dict(state["optimizer"])
+        trainer.optimizer.load_checkpoint_state(state["optimizer"])
         extra = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
         trainer.step = int(extra["step"])
         trainer.sampler.load_state_dict(extra["sampler"])

@@ -37,6 +37,13 @@ def global_batch():
     return input_ids, response_mask, advantages, is_replay, noise
 
 
+def adam_state_numel(optimizer) -> int:
+    """Elements of Adam's exp_avg held by this rank (sharded by the distributed optimizer)."""
+    inner = getattr(optimizer.optimizer, "chained_optimizers", [optimizer.optimizer])
+    return sum(int(state["exp_avg"].numel()) for o in inner
+               for state in o.optimizer.state.values() if "exp_avg" in state)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", required=True)
@@ -80,7 +87,10 @@ def main():
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
     if torch.distributed.get_rank() == 0:
-        torch.save({"weights": merged, "metrics": metrics, "old_logp": old_logp}, args.out)
+        inner = getattr(optimizer.optimizer, "chained_optimizers", [optimizer.optimizer])
+        torch.save({"weights": merged, "metrics": metrics, "old_logp": old_logp,
+                    "optimizers": [type(o).__name__ for o in inner],
+                    "adam_state_numel": adam_state_numel(optimizer)}, args.out)
     distributed.destroy()
 
 

@@ -73,6 +73,10 @@ def test_distributed_optimizer_gives_the_same_step(tiny_qwen2_dir, tmp_path):
     for nproc, tp in ((2, 1), (4, 2)):  # DP=2; TP2 x DP2
         sharded = train(tiny_qwen2_dir, nproc, tp, 1, tmp_path / f"dist-{nproc}.pt",
                         "--distributed-optimizer")
+        assert sharded["optimizers"] == ["DistributedOptimizer"]
+        # rank 0 holds its share of the Adam state: 1 / DP of the (TP-sharded) parameters
+        assert sharded["adam_state_numel"] == pytest.approx(
+            single["adam_state_numel"] / (nproc // tp) / tp, rel=0.01)
         assert sharded["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"],
                                                                 rel=1e-5)
         for name, tensor in single["weights"].items():

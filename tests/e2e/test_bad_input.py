@@ -83,3 +83,22 @@ def test_missing_model_directory(task, tmp_path):
     expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
                   *train_overrides(str(tmp_path / "nope"), task, str(tmp_path / "run"), 1)],
                  "has no config.json")
+
+
+def test_resume_at_another_tp_with_dp_sharded_optimizer_state(tiny_qwen2_dir, task, tmp_path):
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "step_00000002"
+    os.makedirs(step / "dist")
+    config = json.load(open(os.path.join(tiny_qwen2_dir, "config.json")))
+    fingerprint = {k: config.get(k) for k in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}
+    layout = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+              "virtual_pipeline_model_parallel_size": None, "distributed_optimizer": True,
+              "optimizer_format": "dp_reshardable"}
+    (step / "meta.json").write_text(json.dumps({"step": 2, "model": fingerprint,
+                                                "layout": layout, "complete": True}))
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(out), 3)],
+                 "laid out for {'tensor_model_parallel_size': 2}",
+                 "checkpoint.optimizer_fully_reshardable=true")

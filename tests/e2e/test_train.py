@@ -82,7 +82,7 @@ def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
 
 def test_resume_is_bit_for_bit_with_pipeline_parallel(tiny_qwen2_dir, task, pool, tmp_path):
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
-              "parallel.pipeline_model_parallel_size=2", "rollout.tensor_model_parallel_size=2"]
+              "rollout.tensor_model_parallel_size=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(straight), steps=4), *common], nproc=2)
