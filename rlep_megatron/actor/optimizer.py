@@ -97,20 +97,25 @@ class ActorOptimizer:
                 for param in group["params"]:
                     param.grad = None
 
-    def load_checkpoint_state(self, state: dict) -> None:
-        """Load the optimizer part of a dist checkpoint (after :meth:`create_state`)."""
+    def load_checkpoint_state(self, state: dict, counters: dict) -> None:
+        """Load the optimizer part of a dist checkpoint (after :meth:`create_state`) and this
+        object's counters."""
         # with fp32 parameters the distributed optimizer's main parameters are views of the
         # model's (leaves that require grad): copy into them without autograd
         with torch.no_grad():
             self.optimizer.load_state_dict(state)
-        # megatron's distributed optimizer (without apex / TE) gives every parameter's Adam
-        # state one shared step tensor; torch's Adam increments each parameter's step in place,
-        # so a shared one would advance once per parameter and skew the bias correction
+        self.load_state_dict(counters)
+        # Adam's step count must equal the applied steps. megatron's distributed optimizer
+        # (without apex / TE) restores it from the state it had before loading, and gives all
+        # parameters one shared step tensor, which torch's Adam would advance once per
+        # parameter: set each parameter's own count
         for megatron_optimizer in getattr(self.optimizer, "chained_optimizers",
                                           [self.optimizer]):
             for param_state in megatron_optimizer.optimizer.state.values():
                 if isinstance(param_state.get("step"), torch.Tensor):
-                    param_state["step"] = param_state["step"].clone()
+                    param_state["step"] = torch.tensor(float(self.num_steps),
+                                                       dtype=param_state["step"].dtype,
+                                                       device=param_state["step"].device)
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "num_skipped": self.num_skipped}

@@ -214,13 +214,12 @@ class CheckpointManager:
         from rlep_megatron.actor.model import load_model_state_dict
 
         load_model_state_dict(trainer.chunks, state["model"])
-        trainer.optimizer.load_checkpoint_state(state["optimizer"])
         extra = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+        trainer.optimizer.load_checkpoint_state(state["optimizer"], extra["optimizer_counters"])
         trainer.step = int(extra["step"])
         trainer.sampler.load_state_dict(extra["sampler"])
         if trainer.replay_sampler is not None and extra["replay_sampler"] is not None:
             trainer.replay_sampler.load_state_dict(extra["replay_sampler"])
-        trainer.optimizer.load_state_dict(extra["optimizer_counters"])
         random.setstate(extra["rng"]["python"])
         np.random.set_state(extra["rng"]["numpy"])
         torch.set_rng_state(extra["rng"]["torch"])

@@ -80,7 +80,10 @@ def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
     assert reports[0] == reports[1]
 
 
-def test_resume_is_bit_for_bit_with_pipeline_parallel(tiny_qwen2_dir, task, pool, tmp_path):
+def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, task, pool,
+                                                              tmp_path):
+    """2 ranks = DP 2 with megatron's distributed optimizer (each rank saves and reloads its
+    shard of the Adam state), rollout TP2."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "rollout.tensor_model_parallel_size=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
