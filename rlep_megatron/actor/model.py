@@ -222,7 +222,9 @@ def load_mcore_weights(chunks: list[torch.nn.Module], path: str) -> None:
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
         raise FileNotFoundError(f"{path} is neither a megatron-core dist checkpoint nor a "
                                 "training checkpoint (no metadata.json)")
-    # keys are global parameter names, so the nesting of a training checkpoint's state
-    # ({"model": ..., "optimizer": ...}) does not matter
-    state = dist_checkpointing.load(model_sharded_state_dict(chunks), directory)
-    load_model_state_dict(chunks, state)
+    # a training checkpoint nests the model under "model" next to the optimizer; ask for the
+    # same nesting so its common (non-tensor) optimizer entries stay out of the model's dict
+    training = directory != path
+    request = model_sharded_state_dict(chunks)
+    state = dist_checkpointing.load({"model": request} if training else request, directory)
+    load_model_state_dict(chunks, state["model"] if training else state)
