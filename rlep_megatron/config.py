@@ -265,10 +265,6 @@ class CheckpointConfig:
     """``auto``: newest complete checkpoint in output_dir if any; ``never``; or a directory."""
     keep_last: int = 3
     """Number of newest checkpoints kept; older ones are deleted after a successful save."""
-    optimizer_fully_reshardable: bool = False
-    """With the distributed optimizer: ``false`` saves each rank's Adam shard as is (parallel,
-    no gathering; resume needs the same TP/PP, any DP); ``true`` gathers it per parameter on
-    DP rank 0 so a resume may change TP/PP as well (slower, more memory at save)."""
 
     def __post_init__(self):
         if self.save_interval_steps < 0:

@@ -4,9 +4,8 @@ Layout under ``<trainer.output_dir>/checkpoints/``::
 
     step_00000010/
         dist/              megatron-core dist checkpoint: model and optimizer state (torch_dist;
-                           the model loads at any TP/PP; the distributed optimizer's state at
-                           any DP, and at another TP/PP only when saved with
-                           checkpoint.optimizer_fully_reshardable)
+                           the model loads at any TP/PP; the distributed optimizer's state is
+                           each rank's shard (megatron's dp_reshardable): any DP, same TP/PP)
         trainer_state.pt   step, prompt sampler, replay sampler, optimizer counters, RNG states
         meta.json          written last: step, model fingerprint, parallel layout,
                            "complete": true
@@ -111,9 +110,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ state
 
-    def _optimizer_format(self) -> str:
-        return ("fully_reshardable" if self.cfg.checkpoint.optimizer_fully_reshardable
-                else "dp_reshardable")
+    # megatron's "fully_reshardable" format (gathered per parameter, any TP/PP) fails to load
+    # with torch's Adam (without apex / TE) in megatron-core 0.16; each rank's shard is kept
+    _OPTIMIZER_FORMAT = "dp_reshardable"
 
     def _layout(self) -> dict:
         parallel = self.cfg.parallel
@@ -122,7 +121,7 @@ class CheckpointManager:
                 "virtual_pipeline_model_parallel_size":
                     parallel.virtual_pipeline_model_parallel_size,
                 "distributed_optimizer": self.cfg.optim.use_distributed_optimizer,
-                "optimizer_format": self._optimizer_format()}
+                "optimizer_format": self._OPTIMIZER_FORMAT}
 
     def _check_layout(self, path: str, meta: dict) -> None:
         """The distributed optimizer's dp_reshardable state is laid out by TP/PP (and the
@@ -138,14 +137,14 @@ class CheckpointManager:
             raise ValueError(f"checkpoint {path} was saved with optim.use_distributed_optimizer="
                              f"{str(saved['distributed_optimizer']).lower()}; resume with the "
                              "same setting")
-        if (model_parallel and saved["distributed_optimizer"]
-                and saved["optimizer_format"] != "fully_reshardable"):
+        if model_parallel and saved["distributed_optimizer"]:
             raise ValueError(
                 f"checkpoint {path} holds distributed-optimizer state laid out for "
                 f"{ {k: saved.get(k) for k in model_parallel} }, this run uses "
                 f"{ {k: now[k] for k in model_parallel} }; resume with that layout (any "
-                "data-parallel size works), or save with "
-                "checkpoint.optimizer_fully_reshardable=true to change TP/PP on resume")
+                "data-parallel size works), or start a new run from its weights "
+                "(model.mcore_dir=<the checkpoint>, checkpoint.resume=never, a new "
+                "trainer.output_dir) without the optimizer state")
 
     def _sharded_state(self, trainer, is_loading: bool = False) -> dict:
         from rlep_megatron.actor.model import model_sharded_state_dict
@@ -154,7 +153,7 @@ class CheckpointManager:
         # when loading, megatron first creates the (lazily built) Adam state to load into
         optimizer = trainer.optimizer.optimizer.sharded_state_dict(
             model, is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": self._optimizer_format()})
+            metadata={"distrib_optim_sharding_type": self._OPTIMIZER_FORMAT})
         return {"model": model, "optimizer": optimizer}
 
     @staticmethod

@@ -101,4 +101,4 @@ def test_resume_at_another_tp_with_dp_sharded_optimizer_state(tiny_qwen2_dir, ta
     expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
                   *train_overrides(tiny_qwen2_dir, task, str(out), 3)],
                  "laid out for {'tensor_model_parallel_size': 2}",
-                 "checkpoint.optimizer_fully_reshardable=true")
+                 "resume with that layout", "model.mcore_dir=<the checkpoint>")
