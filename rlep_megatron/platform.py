@@ -322,18 +322,27 @@ _METHODS_USING_TENSOR_CUDA = (
 )
 
 
-def _tensor_cuda_is_identity(method):
-    @functools.wraps(method)
-    def wrapped(*args, **kwargs):
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *_a, **_k: self
-        try:
-            return method(*args, **kwargs)
-        finally:
-            torch.Tensor.cuda = original
+def _with_tensor_method(name: str, make_replacement):
+    """A wrapper factory: run a method with ``torch.Tensor.<name>`` replaced by
+    ``make_replacement(original)`` for the duration of the call only."""
+    def wrap(method):
+        @functools.wraps(method)
+        def wrapped(*args, **kwargs):
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, make_replacement(original))
+            try:
+                return method(*args, **kwargs)
+            finally:
+                setattr(torch.Tensor, name, original)
 
-    wrapped._rlep_cpu_shim = True
-    return wrapped
+        wrapped._rlep_cpu_shim = True
+        return wrapped
+
+    return wrap
+
+
+_tensor_cuda_is_identity = _with_tensor_method("cuda", lambda _original: (
+    lambda self, *_args, **_kwargs: self))
 
 
 def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,
@@ -408,27 +417,17 @@ _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 
 
-def _cuda_type_names(method):
-    """Run ``method`` with ``Tensor.type()`` answering CUDA type names for CPU tensors: the
-    distributed optimizer sorts parameters into fp32 / 16-bit groups by those names."""
-    @functools.wraps(method)
-    def wrapped(*args, **kwargs):
-        original = torch.Tensor.type
+def _cuda_named_type(original):
+    """``Tensor.type()`` answering CUDA type names for CPU tensors: the distributed optimizer
+    sorts parameters into fp32 / 16-bit groups by those names."""
+    def type_(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        return result if args or kwargs else _CUDA_TYPE_NAMES.get(result, result)
 
-        def cuda_named(self, *type_args, **type_kwargs):
-            result = original(self, *type_args, **type_kwargs)
-            if type_args or type_kwargs:
-                return result
-            return _CUDA_TYPE_NAMES.get(result, result)
+    return type_
 
-        torch.Tensor.type = cuda_named
-        try:
-            return method(*args, **kwargs)
-        finally:
-            torch.Tensor.type = original
 
-    wrapped._rlep_cpu_shim = True
-    return wrapped
+_cuda_type_names = _with_tensor_method("type", _cuda_named_type)
 
 
 # (module, class, method) of megatron code that checks ``tensor.type()`` for CUDA names.
@@ -484,16 +483,13 @@ def install_megatron_cpu_shim() -> bool:
         if getattr(module, "torch", None) is torch:
             module.torch = proxy
             patched += 1
-    for module_name, class_name, method_name in _METHODS_USING_TENSOR_CUDA:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        method = getattr(cls, method_name)
-        if not getattr(method, "_rlep_cpu_shim", False):
-            setattr(cls, method_name, _tensor_cuda_is_identity(method))
-    for module_name, class_name, method_name in _METHODS_CHECKING_CUDA_TYPES:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        method = getattr(cls, method_name)
-        if not getattr(method, "_rlep_cpu_shim", False):
-            setattr(cls, method_name, _cuda_type_names(method))
+    for methods, wrap in ((_METHODS_USING_TENSOR_CUDA, _tensor_cuda_is_identity),
+                          (_METHODS_CHECKING_CUDA_TYPES, _cuda_type_names)):
+        for module_name, class_name, method_name in methods:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            method = getattr(cls, method_name)
+            if not getattr(method, "_rlep_cpu_shim", False):
+                setattr(cls, method_name, wrap(method))
     for module_names, function_name, replacement in _CPU_FUNCTIONS:
         for module_name in module_names:
             module = importlib.import_module(module_name)

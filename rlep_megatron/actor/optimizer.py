@@ -1,6 +1,7 @@
 """The actor's optimizer: megatron-core DDP wrapping, AdamW (megatron's distributed optimizer,
-which shards the Adam state over data-parallel ranks, unless turned off), linear warmup then constant learning rate, grad-norm clipping, and a step
-that is skipped (and counted) when the grad norm is not finite (RLEP_SPEC.md sections 4, 8).
+which shards the Adam state over data-parallel ranks, unless turned off), linear warmup then
+constant learning rate, grad-norm clipping, and a step that is skipped (and counted) when the
+grad norm is not finite (RLEP_SPEC.md sections 4, 8).
 """
 from __future__ import annotations
 
@@ -77,13 +78,16 @@ class ActorOptimizer:
         self.num_steps += 1
         return True, grad_norm
 
+    def torch_optimizers(self) -> list:
+        """The torch optimizers inside megatron's (chained) optimizer."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [megatron_optimizer.optimizer for megatron_optimizer in chained]
+
     def create_state(self) -> None:
         """Create Adam's (lazily built) state before loading a checkpoint into it: the
         distributed optimizer's sharded state dict reads the current state's step count. Runs
         one zero-gradient step at learning rate 0, so no parameter moves."""
-        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        for megatron_optimizer in inner:
-            torch_optimizer = megatron_optimizer.optimizer
+        for torch_optimizer in self.torch_optimizers():
             if torch_optimizer.state:
                 continue
             saved_lr = [group["lr"] for group in torch_optimizer.param_groups]
@@ -109,9 +113,8 @@ class ActorOptimizer:
         # (without apex / TE) restores it from the state it had before loading, and gives all
         # parameters one shared step tensor, which torch's Adam would advance once per
         # parameter: set each parameter's own count
-        for megatron_optimizer in getattr(self.optimizer, "chained_optimizers",
-                                          [self.optimizer]):
-            for param_state in megatron_optimizer.optimizer.state.values():
+        for torch_optimizer in self.torch_optimizers():
+            for param_state in torch_optimizer.state.values():
                 if isinstance(param_state.get("step"), torch.Tensor):
                     param_state["step"] = torch.tensor(float(self.num_steps),
                                                        dtype=param_state["step"].dtype,

@@ -39,9 +39,8 @@ def global_batch():
 
 def adam_state_numel(optimizer) -> int:
     """Elements of Adam's exp_avg held by this rank (sharded by the distributed optimizer)."""
-    inner = getattr(optimizer.optimizer, "chained_optimizers", [optimizer.optimizer])
-    return sum(int(state["exp_avg"].numel()) for o in inner
-               for state in o.optimizer.state.values() if "exp_avg" in state)
+    return sum(int(state["exp_avg"].numel()) for o in optimizer.torch_optimizers()
+               for state in o.state.values() if "exp_avg" in state)
 
 
 def main():

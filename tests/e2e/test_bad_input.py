@@ -7,6 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlep_megatron.checkpoint.resume import model_fingerprint
 from rlep_megatron.data.schema import read_prompt_file
 from rlep_megatron.replay.writer import pool_rows, write_pool
 from rlep_megatron.tiny_task import make_tiny_task
@@ -63,17 +64,21 @@ def test_pool_of_another_dataset(tiny_qwen2_dir, task, tmp_path):
                   f"replay.pool_files=[{pool}]"], "none of them is a question of the training")
 
 
+def fake_checkpoint(out, model_dir, step, layout=None, **config_changes):
+    """A complete-looking training checkpoint (meta.json only) of the model in ``model_dir``,
+    with ``config_changes`` applied to its fingerprint: the checks below read nothing else."""
+    directory = out / "checkpoints" / f"step_{step:08d}"
+    os.makedirs(directory / "dist")
+    config = {**json.load(open(os.path.join(model_dir, "config.json"))), **config_changes}
+    meta = {"step": step, "model": model_fingerprint(config), "complete": True}
+    if layout is not None:
+        meta["layout"] = layout
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
 def test_output_dir_with_a_checkpoint_of_another_model(tiny_qwen2_dir, task, tmp_path):
     out = tmp_path / "run"
-    step = out / "checkpoints" / "step_00000003"
-    os.makedirs(step / "dist")
-    config = json.load(open(os.path.join(tiny_qwen2_dir, "config.json")))
-    fingerprint = {k: config.get(k) for k in (
-        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}
-    fingerprint["hidden_size"] = 4096
-    (step / "meta.json").write_text(json.dumps({"step": 3, "model": fingerprint,
-                                                "complete": True}))
+    fake_checkpoint(out, tiny_qwen2_dir, 3, hidden_size=4096)
     expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
                   *train_overrides(tiny_qwen2_dir, task, str(out), 1)],
                  "of another model", "hidden_size")
@@ -87,17 +92,10 @@ def test_missing_model_directory(task, tmp_path):
 
 def test_resume_at_another_tp_with_dp_sharded_optimizer_state(tiny_qwen2_dir, task, tmp_path):
     out = tmp_path / "run"
-    step = out / "checkpoints" / "step_00000002"
-    os.makedirs(step / "dist")
-    config = json.load(open(os.path.join(tiny_qwen2_dir, "config.json")))
-    fingerprint = {k: config.get(k) for k in (
-        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")}
     layout = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
               "virtual_pipeline_model_parallel_size": None, "distributed_optimizer": True,
               "optimizer_format": "dp_reshardable"}
-    (step / "meta.json").write_text(json.dumps({"step": 2, "model": fingerprint,
-                                                "layout": layout, "complete": True}))
+    fake_checkpoint(out, tiny_qwen2_dir, 2, layout=layout)
     expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
                   *train_overrides(tiny_qwen2_dir, task, str(out), 3)],
                  "laid out for {'tensor_model_parallel_size': 2}",
