@@ -9,7 +9,8 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
   ``replay.num_replays_per_prompt`` > 0); resumes from ``checkpoint.resume``.
 * ``rlep collect --config F [overrides...]``: the experience pool from ``collect.checkpoint``.
 * ``rlep eval --config F [overrides...]``: mean/maj/best/pass@k of ``eval.checkpoint``.
-* ``rlep demo [--out-dir D] [--long]``: the whole RLEP pipeline on the tiny default.
+* ``rlep demo [--out-dir D] [--long] [--seeds N]``: the whole RLEP pipeline on the tiny default,
+  baseline vs RLEP over several seeds.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlep_megatron.demo import run_demo
 
-    run_demo(args.out_dir, long=args.long, nproc=args.nproc, overrides=args.overrides)
+    run_demo(args.out_dir, long=args.long, nproc=args.nproc, seeds=args.seeds,
+             overrides=args.overrides)
     return 0
 
 
@@ -93,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")
     p_demo.add_argument("--out-dir", default="outputs/tiny", help="work directory")
     p_demo.add_argument("--long", action="store_true",
-                        help="a longer budget (more steps) than the quick default")
+                        help="a longer budget (more steps and seeds) than the quick default")
+    p_demo.add_argument("--seeds", type=int, default=None,
+                        help="training seeds per arm (default: 2 quick, 4 with --long)")
     p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
     p_demo.add_argument("--log-all-ranks", action="store_true")
     p_demo.add_argument("overrides", nargs="*", metavar="section.key=value",

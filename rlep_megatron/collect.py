@@ -5,7 +5,7 @@ Load a checkpoint (HF directory or training checkpoint), deduplicate the trainin
 sample ``collect.num_samples_per_prompt`` answers per question (T, top-p from the config; the
 response budget of the training recipe, ``rollout.max_response_tokens``), score them, keep the
 verified-correct ones (distinct texts, in sampling order) and keep questions with at least
-``collect.min_correct``. Output: the training parquet with ``reward_model.candidates`` (only
+``collect.min_correct`` correct samples (duplicates count: the spec counts correct answers). Output: the training parquet with ``reward_model.candidates`` (only
 the kept questions) and ``<output>.stats.json``.
 
 The questions are cut into ``collect.num_shards`` shards; each finished shard is written (by
@@ -47,12 +47,9 @@ def _job_signature(cfg, checkpoint: str, rows) -> str:
 
 
 def _write_json_atomic(path: str, value) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    from rlep_megatron.checkpoint.staging import write_file_atomic
+
+    write_file_atomic(path, json.dumps(value))
 
 
 def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
@@ -109,38 +106,41 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
             requests = [ScoreRequest(rows.data_source[r], resp.text, rows.ground_truth[r])
                         for r, responses in zip(indices, groups) for resp in responses]
             results = iter(map_across_ranks(scorer.score, requests))
-            correct, num_correct = [], 0
+            # per question: its distinct correct texts (sampling order) and how many of its
+            # samples were correct; min_correct counts the latter (RLEP_SPEC.md section 1)
+            correct, counts = [], []
             for responses in groups:
-                texts = []
+                texts, count = [], 0
                 for resp in responses:
                     if next(results)["acc"]:
-                        num_correct += 1
+                        count += 1
                         if resp.text not in texts:
                             texts.append(resp.text)
                 correct.append(texts)
+                counts.append(count)
             if rank0:
                 _write_json_atomic(path, {"rows": list(indices), "correct": correct,
-                                          "num_correct": num_correct})
+                                          "correct_counts": counts})
             torch.distributed.barrier()
             done += 1
             logger.info("shard %d/%d: %d questions, %d with >= %d correct answers", number + 1,
                         len(shards), len(indices),
-                        sum(len(t) >= c.min_correct for t in correct), c.min_correct)
+                        sum(n >= c.min_correct for n in counts), c.min_correct)
             if stop_after_shards is not None and done >= stop_after_shards:
                 logger.warning("stopping after %d shards as asked", done)
                 return out
         if rank0:
             candidates: list[list[str]] = [[] for _ in range(len(rows))]
+            correct_counts = [0] * len(rows)
             for number in range(len(shards)):
                 with open(os.path.join(shard_dir, f"shard_{number:05d}.json")) as f:
                     shard = json.load(f)
-                for row, texts in zip(shard["rows"], shard["correct"]):
-                    candidates[row] = texts
-            num_correct = 0
-            for number in range(len(shards)):
-                with open(os.path.join(shard_dir, f"shard_{number:05d}.json")) as f:
-                    num_correct += json.load(f)["num_correct"]
-            pool = pool_rows(rows, candidates, min_correct=c.min_correct)
+                for row, texts, count in zip(shard["rows"], shard["correct"],
+                                             shard["correct_counts"]):
+                    candidates[row], correct_counts[row] = texts, count
+            num_correct = sum(correct_counts)
+            pool = pool_rows(rows, candidates, min_correct=c.min_correct,
+                             correct_counts=correct_counts)
             stats = write_pool(pool, out, tokenizer=tokenizer, extra={
                 "training_questions": len(rows), "samples_per_question": c.num_samples_per_prompt,
                 "min_correct": c.min_correct, "temperature": c.temperature, "top_p": c.top_p,

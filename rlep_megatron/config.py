@@ -92,7 +92,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     """vLLM tensor-parallel degree, independent of the actor's."""
     temperature: float = 1.0
-    """Sampling temperature of the fresh rollouts."""
+    """Sampling temperature of the fresh rollouts (> 0; the actor's log-probs use it too)."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
     top_k: int = -1
@@ -113,8 +113,10 @@ class RolloutConfig:
         if self.tensor_model_parallel_size < 1:
             raise ValueError("rollout.tensor_model_parallel_size must be >= 1, got "
                              f"{self.tensor_model_parallel_size}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if self.temperature <= 0:
+            # the actor's log-probs are of logits / temperature: greedy rollouts have none
+            raise ValueError(f"rollout.temperature must be > 0 (the actor's log-probs divide "
+                             f"the logits by it), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.max_response_tokens < 1:
@@ -211,7 +213,12 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay."""
     lr_warmup_steps: int = 10
-    """Linear warmup in optimizer steps, then constant."""
+    """Linear warm-up length, then constant; counted in ``lr_warmup_unit``."""
+    lr_warmup_unit: str = "training_steps"
+    """``training_steps`` (the reference, RLEP_SPEC.md section 4): lr = lr x min(1, s / warm-up)
+    for training step s = 0, 1, ..., shared by all optimizer steps of that training step, so the
+    first training step runs at lr 0 when warm-up > 0 (a quirk of the reference's scheduler,
+    reproduced). ``optimizer_steps``: lr x (k + 1) / warm-up for optimizer step k."""
     clip_grad: float = 1.0
     """Global grad-norm clip; a non-finite norm skips the step."""
     use_distributed_optimizer: bool = True
@@ -222,6 +229,9 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.lr_warmup_steps < 0:
             raise ValueError(f"optim.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_warmup_unit not in ("training_steps", "optimizer_steps"):
+            raise ValueError("optim.lr_warmup_unit must be training_steps or optimizer_steps, "
+                             f"got {self.lr_warmup_unit!r}")
 
 
 @dataclass(frozen=True)
@@ -306,11 +316,11 @@ class CollectConfig:
     num_samples_per_prompt: int = 64
     """Answers sampled per unique training question (RLEP_SPEC.md section 1)."""
     temperature: float = 0.7
-    """Sampling temperature of collection."""
+    """Sampling temperature of collection (> 0)."""
     top_p: float = 0.95
     """Nucleus threshold of collection."""
     min_correct: int = 2
-    """Questions with fewer verified-correct answers are dropped from the pool."""
+    """Questions with fewer verified-correct samples (duplicates count) are dropped."""
     output_file: str = ""
     """Pool parquet (RLEP schema); default <output_dir>/pool.parquet."""
     num_shards: int = 8
@@ -322,6 +332,8 @@ class CollectConfig:
                              f"{self.num_samples_per_prompt}")
         if self.min_correct < 1:
             raise ValueError(f"collect.min_correct must be >= 1, got {self.min_correct}")
+        if self.temperature <= 0:
+            raise ValueError(f"collect.temperature must be > 0, got {self.temperature}")
         if self.num_shards < 1:
             raise ValueError(f"collect.num_shards must be >= 1, got {self.num_shards}")
 
@@ -494,8 +506,6 @@ def dump_config(cfg: RunConfig, directory: str) -> str:
     """Write ``config.yaml`` into ``directory`` atomically; returns its path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CONFIG_FILE_NAME)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-    os.replace(tmp, path)
-    return path
+    from rlep_megatron.checkpoint.staging import write_file_atomic
+
+    return write_file_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

@@ -1,30 +1,50 @@
-"""``rlep demo``: the paper in miniature on the tiny default (CPU, a few minutes).
+"""``rlep demo``: the paper's comparison in miniature on the tiny default (CPU, a few minutes).
 
-1. build the tiny task and the warm-started tiny model if missing;
-2. train the baseline (``examples/tiny_cpu_baseline.yaml``), checkpointing at every validation;
-3. collect an experience pool from the baseline's best validation checkpoint;
-4. train RLEP (``examples/tiny_cpu_rlep.yaml``) from the same warm-started model with that pool;
-5. evaluate both runs' final checkpoints, print a comparison table and plot both validation
-   curves (``comparison.png``); everything is also written to ``summary.json``.
+1. build the tiny task and the warm-started tiny model if missing (:data:`TASK`,
+   :data:`WARM_START`);
+2. train the baseline (``examples/tiny_cpu_baseline.yaml``) once per seed;
+3. collect one experience pool from the first seed's baseline at its best validation step (the
+   paper: one baseline run, one pool);
+4. train RLEP (``examples/tiny_cpu_rlep.yaml``) from the same warm-started model with that pool,
+   with the same seeds as the baseline (no seed is picked or dropped);
+5. report both arms across seeds: validation mean@k and training accuracy curves as mean and
+   spread (min..max over seeds), best and final validation accuracy with their spread, the
+   steps each arm needs to reach the baseline's best mean, wall time per step. Printed as a
+   table, plotted to ``comparison.png`` and written to ``summary.json``.
 
 Each phase runs as its own process (under torchrun with ``--nproc`` > 1), exactly as a user
-would run ``rlep train`` / ``rlep collect`` / ``rlep eval``; a finished phase is not redone
-when the demo is started again on the same directory.
+would run ``rlep train`` / ``rlep collect``; a finished phase is not redone when the demo is
+started again on the same directory. Everything is deterministic for a given machine and
+thread count.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
 from typing import Optional
 
+from rlep_megatron.checkpoint.staging import write_file_atomic
+
 logger = logging.getLogger(__name__)
 
-QUICK = {"steps": 20, "pretrain_steps": 300}
-LONG = {"steps": 60, "pretrain_steps": 300}
+# The tiny default task: arithmetic whose warm-start corpus has one slipped solution per easy
+# training question and two per hard one (rlep_megatron/tiny_task.py). Measured on 2 cores:
+# with no slips the warm-started model answers about 74% of validation samples at T=1, too
+# competent for RL to show anything; with (1, 2) slips it computes the answer but samples a
+# slip often, at 20-30% validation accuracy at T=1, and GRPO raises that by rewarding the
+# correct result over the slips.
+TASK = {"kind": "arith", "num_train": 800, "num_val": 64, "max_operand": 20,
+        "num_slips_easy": 1, "num_slips_hard": 2}
+# 2500 supervised steps (about 3 minutes): fewer leave the model unable to compute most
+# answers (1000 steps: 13% at T=1 with slips), which leaves RL little to sharpen.
+WARM_START = {"steps": 2500, "lr": 3e-3, "batch_size": 32}
+QUICK = {"seeds": 2, "steps": 40}
+LONG = {"seeds": 4, "steps": 80}
 VALIDATION_EVERY = 4
 
 
@@ -56,91 +76,149 @@ def _run(args: list[str], nproc: int, log_path: str) -> float:
     return time.perf_counter() - start
 
 
-def _val_curve(metrics_path: str) -> dict[int, float]:
+def read_curves(metrics_path: str) -> dict[str, dict[int, float]]:
+    """``val``: validation mean@k per validated step (mean over data sources); ``train``:
+    ``rollout/acc_mean`` per training step; ``step_s``: ``timing/step_s`` per step."""
     from rlep_megatron.metrics import read_metrics
 
-    curve = {}
+    curves: dict[str, dict[int, float]] = {"val": {}, "train": {}, "step_s": {}}
     for entry in read_metrics(metrics_path):
+        step = int(entry["step"])
         values = [v for key, v in entry.items() if key.startswith("val/") and "/mean@" in key]
-        if values:  # mean over data sources
-            curve[int(entry["step"])] = sum(values) / len(values)
-    return curve
+        if values:
+            curves["val"][step] = sum(values) / len(values)
+        if "rollout/acc_mean" in entry:
+            curves["train"][step] = entry["rollout/acc_mean"]
+        if "timing/step_s" in entry:
+            curves["step_s"][step] = entry["timing/step_s"]
+    return curves
 
 
-def _step_times(metrics_path: str) -> list[float]:
-    from rlep_megatron.metrics import read_metrics
-
-    return [e["timing/step_s"] for e in read_metrics(metrics_path) if "timing/step_s" in e]
-
-
-def _best(curve: dict[int, float]) -> tuple[int, float]:
-    best_value = max(curve.values())
-    return min(s for s, v in curve.items() if v == best_value), best_value
+def band(curves: list[dict[int, float]]) -> dict[int, tuple[float, float, float]]:
+    """Per step present in every curve: (mean, min, max) across curves (seeds)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return {s: (statistics.fmean(c[s] for c in curves), min(c[s] for c in curves),
+                max(c[s] for c in curves)) for s in steps}
 
 
-def plot_curves(curves: dict[str, dict[int, float]], path: str, k: int) -> None:
+def _spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "sd": statistics.stdev(values) if len(values) > 1 else 0.0, "values": values}
+
+
+def summarise_arm(runs: list[dict[str, dict[int, float]]], target: Optional[float]) -> dict:
+    """One arm over its seeds. ``target``: the baseline's best mean validation accuracy (None
+    for the baseline itself, which uses its own)."""
+    val = band([r["val"] for r in runs])
+    mean_curve = {s: v[0] for s, v in val.items()}
+    best_value = max(mean_curve.values())
+    target = best_value if target is None else target
+    first = min(mean_curve)
+    return {
+        "val_band": {str(s): v for s, v in val.items()},
+        "train_band": {str(s): v for s, v in band([r["train"] for r in runs]).items()},
+        "start_val": _spread([r["val"][first] for r in runs]),
+        "best_val": _spread([max(r["val"].values()) for r in runs]),
+        "final_val": _spread([r["val"][max(r["val"])] for r in runs]),
+        "best_mean_step": min(s for s, v in mean_curve.items() if v == best_value),
+        "best_mean_val": best_value,
+        "steps_to_target": next((s for s in sorted(mean_curve) if mean_curve[s] >= target),
+                                None),
+        "step_s": _spread([statistics.fmean(r["step_s"].values()) for r in runs]),
+    }
+
+
+def comparison_table(summary: dict) -> str:
+    b, r, k = summary["baseline"], summary["rlep"], summary["k"]
+
+    def pct(spread: dict) -> str:
+        return (f"{100 * spread['mean']:.1f}% (sd {100 * spread['sd']:.1f}, "
+                f"{100 * spread['min']:.1f}-{100 * spread['max']:.1f})")
+
+    def reach(arm: dict) -> str:
+        return "not reached" if arm["steps_to_target"] is None else str(arm["steps_to_target"])
+
+    seeds = len(b["best_val"]["values"])
+    rows = [(f"over {seeds} seeds: mean (sd, min-max)", "baseline", "RLEP"),
+            (f"validation mean@{k} at step 0", pct(b["start_val"]), pct(r["start_val"])),
+            (f"best validation mean@{k}", pct(b["best_val"]), pct(r["best_val"])),
+            (f"final validation mean@{k}", pct(b["final_val"]), pct(r["final_val"])),
+            (f"steps to the baseline's best mean ({100 * b['best_mean_val']:.1f}%)",
+             reach(b), reach(r)),
+            ("wall time per step (s)", f"{b['step_s']['mean']:.2f}", f"{r['step_s']['mean']:.2f}")]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def plot_comparison(summary: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, curve in curves.items():
-        steps = sorted(curve)
-        ax.plot(steps, [100 * curve[s] for s in steps], marker="o", label=name)
-    ax.set_xlabel("training step")
-    ax.set_ylabel(f"validation mean@{k} (%)")
-    ax.set_title("tiny default: baseline vs RLEP")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = [("val_band", f"validation mean@{summary['k']} (%)"),
+              ("train_band", "training reward: fresh rollouts correct (%)")]
+    for ax, (key, label) in zip(axes, panels):
+        for arm, name in (("baseline", "baseline"), ("rlep", "RLEP")):
+            points = sorted((int(s), v) for s, v in summary[arm][key].items())
+            steps = [s for s, _ in points]
+            ax.plot(steps, [100 * v[0] for _, v in points], marker="o" if key == "val_band"
+                    else None, label=f"{name} (mean)")
+            ax.fill_between(steps, [100 * v[1] for _, v in points],
+                            [100 * v[2] for _, v in points], alpha=0.2,
+                            label=f"{name} (min-max over seeds)")
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"tiny default: baseline vs RLEP over "
+                 f"{len(summary['baseline']['best_val']['values'])} seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def comparison_table(summary: dict) -> str:
-    rows = [("", "baseline", "RLEP")]
-    b, r = summary["baseline"], summary["rlep"]
-    target = b["best_val"]
-    rows.append((f"best validation mean@{summary['k']}", f"{100 * b['best_val']:.1f}% "
-                 f"(step {b['best_step']})", f"{100 * r['best_val']:.1f}% (step {r['best_step']})"))
-    reach = r["steps_to_baseline_best"]
-    rows.append((f"steps to reach the baseline's best ({100 * target:.1f}%)",
-                 str(b["best_step"]), "not reached" if reach is None else str(reach)))
-    rows.append((f"final eval mean@{summary['k']}", f"{100 * b['final_eval']:.1f}%",
-                 f"{100 * r['final_eval']:.1f}%"))
-    rows.append(("wall time per step (s)", f"{b['step_s']:.1f}", f"{r['step_s']:.1f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+def prepare_model(out_dir: str) -> dict:
+    """The tiny task and the warm-started model (built once; ``warm_start.json`` records it)."""
+    from rlep_megatron.tiny_model import make_tiny_model
+    from rlep_megatron.tiny_task import WARM_START_RECORD, make_tiny_task, warm_start
+
+    task_dir, model_dir = os.path.join(out_dir, "task"), os.path.join(out_dir, "model")
+    if not os.path.isfile(os.path.join(task_dir, "val.parquet")):
+        make_tiny_task(task_dir, seed=0, **TASK)
+    start_info = os.path.join(model_dir, WARM_START_RECORD)
+    if not os.path.isfile(start_info):
+        print(f"warm-starting the tiny model: {WARM_START['steps']} supervised steps ...",
+              flush=True)
+        make_tiny_model(model_dir, seed=0, arch="qwen2")
+        warm_start(model_dir, os.path.join(task_dir, "train_solutions.jsonl"),
+                   WARM_START["steps"], lr=WARM_START["lr"], batch_size=WARM_START["batch_size"],
+                   seed=0, eval_parquet=os.path.join(task_dir, "val.parquet"),
+                   extra_record={"task": TASK})
+    with open(start_info) as f:
+        return json.load(f)
 
 
 def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
-             overrides: Optional[list[str]] = None) -> dict:
-    from rlep_megatron.tiny_model import make_tiny_model
-    from rlep_megatron.tiny_task import make_tiny_task, warm_start
-
-    budget = LONG if long else QUICK
+             seeds: Optional[int] = None, overrides: Optional[list[str]] = None) -> dict:
+    budget = dict(LONG if long else QUICK)
+    if seeds is not None:
+        if seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {seeds}")
+        budget["seeds"] = seeds
+    seed_list = list(range(1, budget["seeds"] + 1))
+    steps = budget["steps"]
     overrides = list(overrides or [])
     started = time.perf_counter()
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     recipes = examples_dir()
     task_dir, model_dir = os.path.join(out_dir, "task"), os.path.join(out_dir, "model")
-    summary_path = os.path.join(out_dir, "summary.json")
     summary: dict = {"budget": budget, "nproc": nproc}
-
-    if not os.path.isfile(os.path.join(task_dir, "val.parquet")):
-        make_tiny_task(task_dir, seed=0)
-    start_info = os.path.join(model_dir, "warm_start.json")
-    if not os.path.isfile(start_info):
-        make_tiny_model(model_dir, seed=0, arch="qwen2")
-        result = warm_start(model_dir, os.path.join(task_dir, "train_solutions.jsonl"),
-                            budget["pretrain_steps"], seed=0,
-                            eval_parquet=os.path.join(task_dir, "val.parquet"))
-        with open(start_info, "w") as f:
-            json.dump({"pretrain_steps": budget["pretrain_steps"], **result}, f)
-    with open(start_info) as f:
-        summary["warm_start"] = json.load(f)
+    summary["warm_start"] = prepare_model(out_dir)
     print(f"warm-started tiny model: greedy accuracy on the validation split "
           f"{100 * summary['warm_start']['accuracy']:.1f}% after "
           f"{summary['warm_start']['pretrain_steps']} supervised steps", flush=True)
@@ -148,32 +226,39 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     common = [f"model.hf_dir={model_dir}",
               f"data.train_files=[{os.path.join(task_dir, 'train.parquet')}]",
               f"data.val_files=[{os.path.join(task_dir, 'val.parquet')}]",
-              f"trainer.total_steps={budget['steps']}",
+              f"trainer.total_steps={steps}",
               f"trainer.validation_interval_steps={VALIDATION_EVERY}",
-              f"checkpoint.save_interval_steps={VALIDATION_EVERY}",
               "checkpoint.keep_last=1000"] + overrides
-    runs = {name: os.path.join(out_dir, name) for name in ("baseline", "rlep")}
 
-    def train(name: str, recipe: str, extra: list[str]) -> None:
-        done = os.path.join(runs[name], "checkpoints", f"step_{budget['steps']:08d}")
+    def run_dir(arm: str, seed: int) -> str:
+        return os.path.join(out_dir, arm, f"seed_{seed}")
+
+    def train(arm: str, recipe: str, seed: int, extra: list[str]) -> None:
+        directory = run_dir(arm, seed)
+        done = os.path.join(directory, "checkpoints", f"step_{steps:08d}")
         if os.path.isdir(done):
-            print(f"{name}: already trained ({done})", flush=True)
+            print(f"{arm} seed {seed}: already trained ({done})", flush=True)
             return
-        print(f"{name}: training {budget['steps']} steps ...", flush=True)
+        print(f"{arm} seed {seed}: training {steps} steps ...", flush=True)
         seconds = _run(["train", "--config", os.path.join(recipes, recipe), *common,
-                        f"trainer.output_dir={runs[name]}", *extra], nproc,
-                       os.path.join(out_dir, f"{name}.log"))
-        print(f"{name}: done in {seconds:.0f} s", flush=True)
+                        f"trainer.seed={seed}", f"trainer.output_dir={directory}", *extra],
+                       nproc, os.path.join(out_dir, f"{arm}_seed_{seed}.log"))
+        print(f"{arm} seed {seed}: done in {seconds:.0f} s", flush=True)
 
-    train("baseline", "tiny_cpu_baseline.yaml", [])
-    base_curve = _val_curve(os.path.join(runs["baseline"], "metrics.jsonl"))
-    best_step, best_value = _best(base_curve)
-    source = (model_dir if best_step == 0 else
-              os.path.join(runs["baseline"], "checkpoints", f"step_{best_step:08d}"))
+    # the first seed's baseline checkpoints every validation, for the pool's source
+    for seed in seed_list:
+        save_every = VALIDATION_EVERY if seed == seed_list[0] else steps
+        train("baseline", "tiny_cpu_baseline.yaml", seed,
+              [f"checkpoint.save_interval_steps={save_every}"])
+    source_curves = read_curves(os.path.join(run_dir("baseline", seed_list[0]), "metrics.jsonl"))
+    best_value = max(source_curves["val"].values())
+    best_step = min(s for s, v in source_curves["val"].items() if v == best_value)
+    source = (model_dir if best_step == 0 else os.path.join(
+        run_dir("baseline", seed_list[0]), "checkpoints", f"step_{best_step:08d}"))
     pool = os.path.join(out_dir, "pool.parquet")
     if not os.path.isfile(pool):
-        print(f"collecting the experience pool from {source} (baseline best, step "
-              f"{best_step}) ...", flush=True)
+        print(f"collecting the experience pool from baseline seed {seed_list[0]} at its best "
+              f"validation step {best_step} ...", flush=True)
         seconds = _run(["collect", "--config", os.path.join(recipes, "tiny_cpu_rlep.yaml"),
                         *common, f"collect.checkpoint={source}", f"collect.output_file={pool}",
                         f"trainer.output_dir={out_dir}"], nproc,
@@ -181,40 +266,33 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
         print(f"collect: done in {seconds:.0f} s", flush=True)
     with open(os.path.splitext(pool)[0] + ".stats.json") as f:
         summary["pool"] = json.load(f)
-    train("rlep", "tiny_cpu_rlep.yaml", [f"replay.pool_files=[{pool}]"])
+    summary["pool"]["source_step"] = best_step
+    for seed in seed_list:
+        train("rlep", "tiny_cpu_rlep.yaml", seed,
+              [f"replay.pool_files=[{pool}]", f"checkpoint.save_interval_steps={steps}"])
 
-    k = None
-    for name in ("baseline", "rlep"):
-        eval_path = os.path.join(runs[name], "eval.json")
-        if not os.path.isfile(eval_path):
-            final = os.path.join(runs[name], "checkpoints", f"step_{budget['steps']:08d}")
-            _run(["eval", "--config", os.path.join(recipes, f"tiny_cpu_{name}.yaml"), *common,
-                  f"eval.checkpoint={final}", f"eval.output_file={eval_path}",
-                  f"trainer.output_dir={runs[name]}"], nproc,
-                 os.path.join(out_dir, f"eval_{name}.log"))
-        with open(eval_path) as f:
-            report = json.load(f)
-        k = report["k"]
-        curve = _val_curve(os.path.join(runs[name], "metrics.jsonl"))
-        step, value = _best(curve)
-        reach = next((s for s in sorted(curve) if curve[s] >= best_value), None)
-        times = _step_times(os.path.join(runs[name], "metrics.jsonl"))
-        summary[name] = {
-            "val_curve": {str(s): v for s, v in sorted(curve.items())},
-            "best_step": step, "best_val": value,
-            "steps_to_baseline_best": reach,
-            "final_eval": sum(t[f"mean@{k}"] for t in report["report"].values())
-            / max(1, len(report["report"])),
-            "step_s": sum(times) / max(1, len(times)),
-        }
-    summary["k"] = k
+    curves = {arm: [read_curves(os.path.join(run_dir(arm, s), "metrics.jsonl"))
+                    for s in seed_list] for arm in ("baseline", "rlep")}
+    summary["seeds"] = seed_list
+    summary["baseline"] = summarise_arm(curves["baseline"], None)
+    summary["rlep"] = summarise_arm(curves["rlep"], summary["baseline"]["best_mean_val"])
+    summary["k"] = _validation_k(os.path.join(run_dir("baseline", seed_list[0]), "metrics.jsonl"))
     plot = os.path.join(out_dir, "comparison.png")
-    plot_curves({"baseline": _val_curve(os.path.join(runs["baseline"], "metrics.jsonl")),
-                 "RLEP": _val_curve(os.path.join(runs["rlep"], "metrics.jsonl"))}, plot, k)
+    plot_comparison(summary, plot)
     summary["wall_s"] = time.perf_counter() - started
-    with open(summary_path, "w") as f:
-        json.dump(summary, f, indent=1)
+    summary_path = os.path.join(out_dir, "summary.json")
+    write_file_atomic(summary_path, json.dumps(summary, indent=1))
     print(comparison_table(summary))
     print(f"plot: {plot}\nsummary: {summary_path}\ntotal wall time: "
           f"{summary['wall_s'] / 60:.1f} min", flush=True)
     return summary
+
+
+def _validation_k(metrics_path: str) -> int:
+    from rlep_megatron.metrics import read_metrics
+
+    for entry in read_metrics(metrics_path):
+        for key in entry:
+            if key.startswith("val/") and "/mean@" in key:
+                return int(key.rsplit("@", 1)[1])
+    raise ValueError(f"{metrics_path} has no validation entries")

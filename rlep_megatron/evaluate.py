@@ -146,12 +146,11 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
                                  cfg.rollout.max_response_tokens, cfg.data.max_prompt_tokens,
                                  cfg.trainer.seed + 7_777_777)
         if distributed.is_rank0():
-            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            tmp = out + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"checkpoint": checkpoint, "files": list(files),
-                           "k": cfg.eval.num_samples_per_prompt, "report": report}, f, indent=1)
-            os.replace(tmp, out)
+            from rlep_megatron.checkpoint.staging import write_file_atomic
+
+            write_file_atomic(out, json.dumps({"checkpoint": checkpoint, "files": list(files),
+                                               "k": cfg.eval.num_samples_per_prompt,
+                                               "report": report}, indent=1))
             print(format_table(report))
             print(f"wrote {out}")
     finally:

@@ -1,15 +1,29 @@
-"""The tiny default task: integer addition/subtraction questions in the DAPO schema, scored by
-the DAPO rule (``data_source = tiny_arith``: the last ``Answer:`` line is compared with the
-ground truth), and a warm start of the tiny model on the task's reference solutions so that RL
-starts from a low but non-zero accuracy.
+"""The tiny tasks: short integer questions in the DAPO schema, scored by the DAPO rule (the last
+``Answer:`` line is compared with the ground truth; ``data_source = tiny_<kind>``), and a
+supervised warm start of the tiny model on a corpus of worked solutions.
+
+Kinds (``make_tiny_task(kind=...)``):
+
+* ``arith`` (the tiny default): ``Compute 12 + 7.`` -> ``12 + 7 = 19\nAnswer: 19``; operands
+  0..``max_operand``, ``+`` or ``-``. Hard questions carry (``+``) or borrow (``-``) a ten.
+* ``max``: ``Largest of 41 17 45 8.`` -> ``Answer: 45``; four numbers 0..99. Hard questions
+  have two numbers in the top decade.
+
+The warm-start corpus (``train_solutions.jsonl``) imitates a partially competent model: every
+training question has its correct worked solution plus ``num_slips_easy`` (easy questions) or
+``num_slips_hard`` (hard ones) *slipped* solutions, each written out the same way but with a
+wrong result of the kind a model gets wrong (a digit off by one, a carry or a ten dropped; the
+runner-up for ``max``). A model warm-started on it computes the answer, and samples a slip
+about as often as the corpus shows one (hard questions more than easy ones): the state RL with
+verifiable rewards starts from on real models, and one RL can improve by rewarding the correct
+result over the slips. With ``num_slips_* = 0`` the corpus is the reference solutions only.
 
 Files written by :func:`make_tiny_task` in its output directory:
 
 * ``train.parquet`` / ``val.parquet``: DAPO schema (``prompt`` chat messages,
   ``reward_model.ground_truth``, ``extra_info.index``); validation questions never appear in
   the training split;
-* ``train_solutions.jsonl``: ``{"question", "solution"}`` per training row, the reference
-  solution ``"a + b = c\\nAnswer: c"`` used by the warm start.
+* ``train_solutions.jsonl``: ``{"question", "solution"}`` per line, the warm-start corpus above.
 """
 from __future__ import annotations
 
@@ -17,38 +31,104 @@ import json
 import logging
 import os
 import random
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
+from rlep_megatron.checkpoint.staging import write_file_atomic
 from rlep_megatron.data.schema import PromptRows, rows_to_table, write_table_atomic
 
 logger = logging.getLogger(__name__)
 
-DATA_SOURCE = "tiny_arith"
+WARM_START_RECORD = "warm_start.json"
 
 
-def _question(a: int, op: str, b: int) -> str:
-    return f"Compute {a} {op} {b}. End with the line Answer: <number>."
+@dataclass(frozen=True)
+class TaskKind:
+    """How one kind of tiny question is drawn, asked, solved and slipped."""
+
+    draw: Callable[[random.Random, int], tuple]
+    question: Callable[[tuple], str]
+    answer: Callable[[tuple], int]
+    worked: Callable[[tuple, int], str]
+    """the solution text for a question and a result (correct or slipped)"""
+    is_hard: Callable[[tuple], bool]
+    slips: Callable[[tuple], list[int]]
+    """wrong results a model plausibly writes, most plausible first"""
+    num_questions: Callable[[int], int]
 
 
-def _solution(a: int, op: str, b: int) -> tuple[str, str]:
-    value = a + b if op == "+" else a - b
-    return f"{a} {op} {b} = {value}\nAnswer: {value}", str(value)
+def _arith_value(key: tuple) -> int:
+    a, op, b = key
+    return a + b if op == "+" else a - b
+
+
+def _arith_hard(key: tuple) -> bool:
+    a, op, b = key
+    return a % 10 + b % 10 >= 10 if op == "+" else a % 10 < b % 10
+
+
+def _arith_slips(key: tuple) -> list[int]:
+    value = _arith_value(key)
+    # a carry / borrow handled the wrong way, then a units digit off by one
+    tens = [value - 10, value + 10] if _arith_hard(key) else [value + 10, value - 10]
+    return tens + [value + 1, value - 1, value + 2, value - 2]
+
+
+def _max_slips(key: tuple) -> list[int]:
+    value = max(key)
+    runners = sorted({v for v in key if v != value}, reverse=True)
+    return runners + [value + 1, value - 1, value + 10, value - 10]
+
+
+TASK_KINDS: dict[str, TaskKind] = {
+    "arith": TaskKind(
+        draw=lambda rng, top: (rng.randint(0, top), rng.choice("+-"), rng.randint(0, top)),
+        question=lambda k: f"Compute {k[0]} {k[1]} {k[2]}.",
+        answer=_arith_value,
+        worked=lambda k, v: f"{k[0]} {k[1]} {k[2]} = {v}\nAnswer: {v}",
+        is_hard=_arith_hard,
+        slips=_arith_slips,
+        num_questions=lambda top: (top + 1) ** 2 * 2,
+    ),
+    "max": TaskKind(
+        draw=lambda rng, top: tuple(rng.randint(0, 99) for _ in range(4)),
+        question=lambda k: "Largest of " + " ".join(map(str, k)) + ".",
+        answer=max,
+        worked=lambda k, v: f"Answer: {v}",
+        is_hard=lambda k: sorted(k)[-2] // 10 == max(k) // 10,
+        slips=_max_slips,
+        num_questions=lambda top: 100 ** 4,
+    ),
+}
+
+
+def data_source(kind: str) -> str:
+    return f"tiny_{kind}"
 
 
 def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: int = 64,
-                   max_operand: int = 20) -> dict[str, str]:
-    """Write the task files to ``out_dir``; returns their paths. Same seed -> same files."""
+                   max_operand: int = 20, kind: str = "arith", num_slips_easy: int = 0,
+                   num_slips_hard: int = 0) -> dict[str, str]:
+    """Write the task files to ``out_dir``; returns their paths. Same arguments -> same files.
+
+    ``max_operand`` bounds the ``arith`` operands; ``num_slips_easy`` / ``num_slips_hard`` are
+    the slipped solutions per easy / hard training question in the warm-start corpus."""
+    if kind not in TASK_KINDS:
+        raise ValueError(f"unknown tiny task kind {kind!r}; choose one of {sorted(TASK_KINDS)}")
     if num_train < 1 or num_val < 1:
         raise ValueError("num_train and num_val must be >= 1")
-    space = (max_operand + 1) ** 2 * 2
+    if num_slips_easy < 0 or num_slips_hard < 0:
+        raise ValueError("num_slips_easy and num_slips_hard must be >= 0")
+    task = TASK_KINDS[kind]
+    space = task.num_questions(max_operand)
     if num_train + num_val > space:
-        raise ValueError(f"only {space} distinct questions with max_operand={max_operand}; "
-                         f"asked for {num_train + num_val}")
+        raise ValueError(f"only {space} distinct {kind} questions with max_operand="
+                         f"{max_operand}; asked for {num_train + num_val}")
     rng = random.Random(seed)
-    seen: set[tuple[int, str, int]] = set()
+    seen: set[tuple] = set()
     items = []
     while len(items) < num_train + num_val:
-        key = (rng.randint(0, max_operand), rng.choice("+-"), rng.randint(0, max_operand))
+        key = task.draw(rng, max_operand)
         if key not in seen:
             seen.add(key)
             items.append(key)
@@ -59,33 +139,48 @@ def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: i
     splits = {"train": items[:num_train], "val": items[num_train:]}
     for split, keys in splits.items():
         rows = PromptRows()
-        for i, (a, op, b) in enumerate(keys):
-            rows.data_source.append(DATA_SOURCE)
-            rows.messages.append([{"role": "user", "content": _question(a, op, b)}])
-            rows.ground_truth.append(_solution(a, op, b)[1])
+        for i, key in enumerate(keys):
+            rows.data_source.append(data_source(kind))
+            rows.messages.append([{"role": "user", "content": task.question(key)}])
+            rows.ground_truth.append(str(task.answer(key)))
             rows.candidates.append(None)
             rows.index.append(f"{split}-{i}")
         write_table_atomic(rows_to_table(rows), paths[split])
-    tmp = paths["solutions"] + ".tmp"
-    with open(tmp, "w") as f:
-        for a, op, b in splits["train"]:
-            f.write(json.dumps({"question": _question(a, op, b),
-                                "solution": _solution(a, op, b)[0]}) + "\n")
-    os.replace(tmp, paths["solutions"])
+    corpus = []
+    for key in splits["train"]:
+        value = task.answer(key)
+        count = num_slips_hard if task.is_hard(key) else num_slips_easy
+        wrong = [v for v in dict.fromkeys(task.slips(key)) if v != value][:count]
+        corpus += [{"question": task.question(key), "solution": task.worked(key, v)}
+                   for v in [value] + wrong]
+    random.Random(seed + 1).shuffle(corpus)
+    write_file_atomic(paths["solutions"], "".join(json.dumps(line) + "\n" for line in corpus))
     return paths
 
 
 def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3,
                batch_size: int = 32, seed: int = 0, eval_parquet: Optional[str] = None,
-               eval_questions: int = 64) -> dict[str, float]:
+               eval_questions: int = 64, warmup_steps: int = 50,
+               show_progress: bool = True,
+               extra_record: Optional[dict] = None) -> dict[str, float]:
     """Supervised steps on reference solutions (loss on the response tokens, EOS included),
-    written back to ``model_dir`` atomically. Returns ``{"loss", "accuracy"}`` where accuracy is
-    greedy-decoding accuracy on ``eval_parquet`` (NaN without it)."""
+    written back to ``model_dir`` atomically with a ``warm_start.json`` record (settings,
+    results, ``extra_record``). Returns ``{"loss", "accuracy"}`` where accuracy is
+    greedy-decoding accuracy on ``eval_parquet`` (NaN without it).
+
+    Schedule: linear warm-up over ``warmup_steps`` then cosine decay to 0 at ``steps``, AdamW
+    betas (0.9, 0.98), grad-norm clip 1.0. A constant 3e-3 without warm-up or clipping left the
+    tiny model unable to copy digits from its prompt (loss stalled near 0.5-0.6): the early
+    large updates saturate it before attention learns to look back at the question."""
+    import math
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlep_megatron.checkpoint.staging import staged_output
 
+    if steps < 1:
+        raise ValueError(f"warm-start steps must be >= 1, got {steps}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     examples = [json.loads(line) for line in open(solutions_path)]
@@ -98,10 +193,18 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3
         encoded.append((p_ids, r_ids + [tokenizer.eos_token_id]))
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    warmup = max(1, min(warmup_steps, steps))
+
+    def lr_factor(i: int) -> float:
+        return min(1.0, (i + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * i / steps))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    from rlep_megatron.metrics import progress
+
     model.train()
     loss_value = float("nan")
-    for _ in range(steps):
+    for _ in progress(range(steps), desc="warm start", unit="step", enabled=show_progress):
         batch = rng.sample(encoded, min(batch_size, len(encoded)))
         length = max(len(p) + len(r) for p, r in batch)
         ids = torch.full((len(batch), length), tokenizer.pad_token_id, dtype=torch.long)
@@ -112,21 +215,28 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3
         loss = model(input_ids=ids, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        scheduler.step()
         loss_value = float(loss.detach())
     model.eval()
     accuracy = float("nan")
     if eval_parquet:
         accuracy = greedy_accuracy(model, tokenizer, eval_parquet, eval_questions)
+    result = {"loss": loss_value, "accuracy": accuracy}
+    record = {"pretrain_steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed,
+              "solutions": os.path.abspath(solutions_path), **result, **(extra_record or {})}
     with staged_output(model_dir, replace_existing=True) as staging:
         for name in os.listdir(model_dir):
-            if not name.endswith(".safetensors"):
+            if not name.endswith(".safetensors") and name != WARM_START_RECORD:
                 src = os.path.join(model_dir, name)
                 if os.path.isfile(src):
                     with open(src, "rb") as fin, open(os.path.join(staging, name), "wb") as fout:
                         fout.write(fin.read())
         model.save_pretrained(staging, safe_serialization=True)
-    return {"loss": loss_value, "accuracy": accuracy}
+        with open(os.path.join(staging, WARM_START_RECORD), "w") as f:
+            json.dump(record, f, indent=1)
+    return result
 
 
 def greedy_accuracy(model, tokenizer, parquet: str, limit: int = 64,

@@ -310,19 +310,23 @@ class Trainer:
 
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
         mine = indices[dp_rank * len(indices) // dp:(dp_rank + 1) * len(indices) // dp]
-        seqs = [batch.sequences[i] for i in mine]
+        # a mini-batch with fewer sequences than DP ranks leaves some ranks none: they still
+        # take part in every collective, with one fully masked row (no loss, no gradient)
+        placeholder = not mine
+        seqs = [batch.sequences[i] for i in (mine or indices[:1])]
         starts = [len(batch.prompts[s.group]) for s in seqs]
         ids, lengths = pad_sequences([batch.prompts[s.group] + s.token_ids for s in seqs],
                                      pad_id=self.pad_id)
         positions = torch.arange(ids.shape[1]).unsqueeze(0)
         mask = ((positions >= torch.tensor(starts)[:, None])
-                & (positions < lengths[:, None])).float()
+                & (positions < lengths[:, None])).float() * (0.0 if placeholder else 1.0)
         micro = max(1, self.cfg.trainer.micro_batch_max_tokens // max(1, ids.shape[1]))
         old = actor_logprobs_everywhere(self.chunks, self.info, [list(r) for r in ids.tolist()],
                                         self.pad_id, micro_batch_size=micro,
                                         temperature=self.cfg.rollout.temperature)
         # parity probe on fresh tokens: vLLM's log-probs vs the actor's (same weights)
-        fresh = [row for row, s in enumerate(seqs) if s.source == FRESH and s.engine_logprobs]
+        fresh = [row for row, s in enumerate(seqs)
+                 if s.source == FRESH and s.engine_logprobs and not placeholder]
         parity = logprob_abs_diff([seqs[r].engine_logprobs for r in fresh], old[fresh],
                                   [starts[r] for r in fresh])
         train = TrainBatch(ids, mask, old, torch.tensor([s.advantage for s in seqs]),
@@ -342,6 +346,7 @@ class Trainer:
     def train(self, train_batches) -> dict[str, float]:
         from rlep_megatron.actor.train_step import train_mini_batch
 
+        self.optimizer.training_step = self.step  # the lr warm-up may count training steps
         results = [train_mini_batch(self.chunks, self.optimizer, self.info, tb, self.cfg.algo,
                                     self.cfg.trainer.micro_batch_max_tokens,
                                     temperature=self.cfg.rollout.temperature)

@@ -3,7 +3,7 @@ with a chat template) offline. Same seed -> identical files.
 
     python tools/make_tiny_model.py --out-dir models/tiny-qwen2 [--seed 0] [--arch qwen2|llama]
     python tools/make_tiny_model.py --out-dir outputs/tiny/model --task-dir outputs/tiny/task \
-        --pretrain-steps 300      # warm start on the tiny task's reference solutions
+        --pretrain-steps 2500     # warm start on the task's train_solutions.jsonl
 """
 import argparse
 import os
@@ -35,7 +35,8 @@ def main() -> int:
                             args.pretrain_steps, seed=args.seed,
                             eval_parquet=os.path.join(args.task_dir, "val.parquet"))
         print(f"warm start: {args.pretrain_steps} steps, final loss {result['loss']:.3f}, "
-              f"greedy accuracy on val.parquet {100 * result['accuracy']:.1f}%")
+              f"greedy accuracy on val.parquet {100 * result['accuracy']:.1f}% "
+              f"(recorded in {os.path.join(args.out_dir, 'warm_start.json')})")
     return 0
 
 

@@ -1,7 +1,8 @@
-"""Write the tiny default task: integer addition/subtraction questions in the DAPO schema
-(train.parquet, val.parquet, train_solutions.jsonl). Same seed -> same files.
+"""Write a tiny task in the DAPO schema (train.parquet, val.parquet, and the warm-start corpus
+train_solutions.jsonl; see rlep_megatron/tiny_task.py). Same arguments -> same files.
 
-    python tools/make_tiny_task.py --out-dir outputs/tiny/task [--seed 0] [--num-train 2000]
+    python tools/make_tiny_task.py --out-dir outputs/tiny/task [--kind arith|max] [--seed 0] \
+        [--num-train 800] [--num-slips-easy 1 --num-slips-hard 2]
 """
 import argparse
 import os
@@ -9,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rlep_megatron.tiny_task import make_tiny_task  # noqa: E402
+from rlep_megatron.tiny_task import TASK_KINDS, make_tiny_task  # noqa: E402
 
 
 def main() -> int:
@@ -18,10 +19,17 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-train", type=int, default=800)
     parser.add_argument("--num-val", type=int, default=64)
-    parser.add_argument("--max-operand", type=int, default=20)
+    parser.add_argument("--max-operand", type=int, default=20, help="arith operands 0..N")
+    parser.add_argument("--kind", choices=sorted(TASK_KINDS), default="arith")
+    parser.add_argument("--num-slips-easy", type=int, default=0,
+                        help="slipped (wrong) solutions per easy question in the corpus")
+    parser.add_argument("--num-slips-hard", type=int, default=0,
+                        help="slipped (wrong) solutions per hard question in the corpus")
     args = parser.parse_args()
     paths = make_tiny_task(args.out_dir, args.seed, args.num_train, args.num_val,
-                           args.max_operand)
+                           args.max_operand, kind=args.kind,
+                           num_slips_easy=args.num_slips_easy,
+                           num_slips_hard=args.num_slips_hard)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

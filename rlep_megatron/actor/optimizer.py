@@ -40,18 +40,23 @@ def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool
 
 @dataclass
 class ActorOptimizer:
-    """Megatron optimizer + warmup-then-constant lr; ``step()`` skips non-finite grad norms."""
+    """Megatron optimizer + warmup-then-constant lr (``OptimConfig.lr_warmup_unit``); ``step()``
+    skips non-finite grad norms."""
 
     optimizer: object
     config: OptimConfig
     num_steps: int = 0
     num_skipped: int = 0
+    training_step: int = 0
+    """Training (RL) steps completed before the current one; set by the trainer."""
 
     def current_lr(self) -> float:
         warmup = self.config.lr_warmup_steps
-        if warmup and self.num_steps < warmup:
-            return self.config.lr * (self.num_steps + 1) / warmup
-        return self.config.lr
+        if not warmup:
+            return self.config.lr
+        if self.config.lr_warmup_unit == "training_steps":
+            return self.config.lr * min(1.0, self.training_step / warmup)
+        return self.config.lr * min(1.0, (self.num_steps + 1) / warmup)
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -64,10 +64,12 @@ def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]
 
 
 def global_counts(batch: TrainBatch) -> tuple[float, float]:
-    """(valid response tokens, sequences) of the mini-batch summed over data-parallel ranks."""
+    """(valid response tokens, sequences) of the mini-batch summed over data-parallel ranks; a
+    fully masked row (a placeholder on a rank left without sequences) is not a sequence."""
     from megatron.core import parallel_state as ps
 
-    counts = torch.tensor([float(batch.response_mask.sum()), float(batch.input_ids.shape[0])],
+    counts = torch.tensor([float(batch.response_mask.sum()),
+                           float((batch.response_mask.sum(dim=1) > 0).sum())],
                           dtype=torch.float64)
     torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
     return float(counts[0]), float(counts[1])

@@ -1,5 +1,6 @@
-"""Atomic output directories: everything is written into a temporary directory next to the
-target and renamed onto it when complete, so a failed or killed writer leaves no partial output.
+"""Atomic outputs: a directory (:func:`staged_output`) or a small file (:func:`write_file_atomic`)
+is written under a temporary name next to the target and renamed onto it when complete, so a
+failed or killed writer leaves no partial output.
 """
 from __future__ import annotations
 
@@ -41,3 +42,24 @@ def _make_readable(root: str) -> None:
             os.chmod(os.path.join(directory, name), 0o755)
         for name in files:
             os.chmod(os.path.join(directory, name), 0o644)
+
+
+def write_file_atomic(path: str, text: str) -> str:
+    """Write ``text`` to ``path`` through a temporary file in the same directory (fsynced, then
+    renamed): readers see the old content or the new, never a part. Returns ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path

@@ -113,5 +113,9 @@ def tokenize_replays(texts: Sequence[str], tokenizer, max_response_tokens: int,
     responses = []
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
-        responses.append(ReplayResponse(text=text, token_ids=ids[:max_response_tokens]))
+        if len(ids) > max_response_tokens:
+            # the reward scores what is trained: the text of the kept tokens (no EOS left)
+            ids = ids[:max_response_tokens]
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+        responses.append(ReplayResponse(text=text, token_ids=ids))
     return responses

@@ -9,17 +9,22 @@ import json
 import os
 from typing import Optional, Sequence
 
+from rlep_megatron.checkpoint.staging import write_file_atomic
 from rlep_megatron.data.schema import PromptRows, rows_to_table, write_table_atomic
 
 
 def pool_rows(questions: PromptRows, candidates: Sequence[Sequence[str]],
-              min_correct: int = 1) -> PromptRows:
+              min_correct: int = 1,
+              correct_counts: Optional[Sequence[int]] = None) -> PromptRows:
     """Rows of ``questions`` with their candidates; questions with fewer than ``min_correct``
-    non-empty answers are dropped (RLEP_SPEC.md section 1: at least 2)."""
+    correct answers are dropped (RLEP_SPEC.md section 1: at least 2). ``correct_counts`` gives
+    each question's number of correct samples (duplicate texts included) when ``candidates``
+    holds distinct texts; without it every non-empty candidate counts once."""
     keep = []
     for row, answers in enumerate(candidates):
         answers = [a for a in answers if a and a.strip()]
-        if len(answers) >= min_correct:
+        count = len(answers) if correct_counts is None else correct_counts[row]
+        if answers and count >= min_correct:
             keep.append((row, answers))
     out = questions.select([row for row, _ in keep])
     out.candidates = [answers for _, answers in keep]
@@ -51,8 +56,5 @@ def write_pool(rows: PromptRows, path: str, stats_path: Optional[str] = None,
     stats = pool_stats(rows, tokenizer)
     stats.update(extra or {})
     stats_path = stats_path or os.path.splitext(path)[0] + ".stats.json"
-    tmp = f"{stats_path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(stats, f, indent=2, sort_keys=True)
-    os.replace(tmp, stats_path)
+    write_file_atomic(stats_path, json.dumps(stats, indent=2, sort_keys=True))
     return stats

@@ -1,7 +1,8 @@
 """Dispatch from a row's ``data_source`` to a reward rule, and the registry of rules.
 
-Built-in: the DAPO rule (``math_dapo``, ``gsm8k``, ``tiny_arith`` and any source starting with
-``aime`` or ``amc``, as in the reference) and the math-verify rule (``math_verify``, ``math``).
+Built-in: the DAPO rule (``math_dapo``, ``gsm8k``, any source starting with ``aime`` or ``amc``,
+as in the reference, and the tiny tasks' ``tiny_*``) and the math-verify rule (``math_verify``,
+``math``).
 Register another with :func:`register_rule`.
 """
 from __future__ import annotations
@@ -15,10 +16,10 @@ RuleFn = Callable[[str, str], dict]
 RULES: dict[str, RuleFn] = {"dapo": dapo.score, "math_verify": math_verify_rule.score}
 
 _SOURCES: dict[str, str] = {
-    "math_dapo": "dapo", "gsm8k": "dapo", "tiny_arith": "dapo",
+    "math_dapo": "dapo", "gsm8k": "dapo",
     "math_verify": "math_verify", "math": "math_verify",
 }
-_PREFIXES: dict[str, str] = {"aime": "dapo", "amc": "dapo"}
+_PREFIXES: dict[str, str] = {"aime": "dapo", "amc": "dapo", "tiny_": "dapo"}
 
 
 def register_rule(data_source: str, rule: "str | RuleFn") -> None:

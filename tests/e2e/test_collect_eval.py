@@ -31,8 +31,11 @@ def easy(tmp_path_factory):
     root = tmp_path_factory.mktemp("easy")
     task = make_tiny_task(str(root / "task"), seed=0, num_train=6, num_val=2, max_operand=1)
     model = make_tiny_model(str(root / "model"), seed=0)
-    result = warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6)
-    assert result["loss"] < 0.2, result
+    result = warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6,
+                        eval_parquet=task["train"])
+    # what the tests below need: the model answers the memorised questions (greedy); not a
+    # loss value, whose digits differ from one CPU to another
+    assert result["accuracy"] >= 5 / 6, result
     return task, model
 
 

@@ -5,7 +5,8 @@ import math
 import pytest
 
 from rlep_megatron.actor.optimizer import ActorOptimizer
-from rlep_megatron.config import OptimConfig
+from rlep_megatron.config import OptimConfig, load_config
+from tests.torchrun import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +32,8 @@ class RecordingOptimizer:
 
 def test_warmup_then_constant_and_non_finite_skip():
     inner = RecordingOptimizer([2.0, float("nan"), 3.0, float("inf"), 1.0, 0.5])
-    optimizer = ActorOptimizer(inner, OptimConfig(lr=1e-6, lr_warmup_steps=3, clip_grad=1.0))
+    optimizer = ActorOptimizer(inner, OptimConfig(lr=1e-6, lr_warmup_steps=3, clip_grad=1.0,
+                                                  lr_warmup_unit="optimizer_steps"))
     results = [optimizer.step() for _ in range(6)]
     assert [applied for applied, _ in results] == [True, False, True, False, True, True]
     assert math.isnan(results[1][1]) and results[0][1] == 2.0
@@ -41,6 +43,54 @@ def test_warmup_then_constant_and_non_finite_skip():
     assert steps == pytest.approx([1e-6 / 3, 2e-6 / 3, 1e-6, 1e-6])
     assert ("clip", 1.0) in inner.calls
     state = optimizer.state_dict()
-    restored = ActorOptimizer(RecordingOptimizer([]), OptimConfig(lr=1e-6, lr_warmup_steps=3))
+    restored = ActorOptimizer(RecordingOptimizer([]), OptimConfig(
+        lr=1e-6, lr_warmup_steps=3, lr_warmup_unit="optimizer_steps"))
     restored.load_state_dict(state)
     assert restored.current_lr() == optimizer.current_lr()
+
+
+def reference_lrs(lr: float, warmup: int, optimizer_steps_per_training_step: list[int]):
+    """The reference's schedule: torch's LambdaLR with the constant-with-warm-up lambda
+    (min(1, s / warm-up)), stepped once per training step after that step's updates."""
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    torch_optimizer = torch.optim.AdamW([param], lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        torch_optimizer, lambda s: float(s) / max(1, warmup) if s < warmup else 1.0)
+    lrs = []
+    for count in optimizer_steps_per_training_step:
+        lrs += [torch_optimizer.param_groups[0]["lr"]] * count
+        torch_optimizer.step()  # no gradient: nothing moves; keeps the call order torch wants
+        scheduler.step()
+    return lrs
+
+
+def run_ours(cfg: OptimConfig, optimizer_steps_per_training_step: list[int]):
+    inner = RecordingOptimizer([1.0] * sum(optimizer_steps_per_training_step))
+    optimizer = ActorOptimizer(inner, cfg)
+    for training_step, count in enumerate(optimizer_steps_per_training_step):
+        optimizer.training_step = training_step
+        for _ in range(count):
+            optimizer.step()
+    return [call[1] for call in inner.calls if isinstance(call, tuple) and call[0] == "step"]
+
+
+def test_warmup_counts_training_steps_like_the_reference():
+    plan = [9, 9, 8, 9, 9, 9, 9]  # RLEP: 9 optimizer steps per training step (one short)
+    ours = run_ours(OptimConfig(lr=1e-3, lr_warmup_steps=4), plan)
+    reference = reference_lrs(1e-3, 4, plan)
+    assert ours == pytest.approx(reference, rel=1e-12, abs=0)
+    assert ours[:9] == [0.0] * 9  # the reference's first training step runs at lr 0
+    assert len(set(ours[9:18])) == 1  # one lr for all optimizer steps of a training step
+
+
+@pytest.mark.parametrize("recipe", ["rlep.yaml", "dapo_nodyn_bs64.yaml", "official_dapo.yaml"])
+def test_7b_recipes_warm_up_as_the_reference(recipe):
+    """RLEP_SPEC.md section 4: lr 1e-6, 10 training steps of linear warm-up, first at lr 0."""
+    import os
+
+    cfg = load_config(os.path.join(REPO_ROOT, "examples", recipe))
+    assert cfg.optim.lr_warmup_unit == "training_steps"
+    plan = [9] * 14
+    assert run_ours(cfg.optim, plan) == pytest.approx(reference_lrs(1e-6, 10, plan), rel=1e-12)

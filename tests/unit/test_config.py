@@ -107,6 +107,10 @@ def test_bad_type_in_recipe_names_the_key(tmp_path):
     ("parallel.tensor_model_parallel_size=0", "parallel.tensor_model_parallel_size"),
     ("parallel.virtual_pipeline_model_parallel_size=2", "virtual_pipeline"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ("rollout.temperature=0", "rollout.temperature must be > 0"),
+    ("rollout.temperature=-0.5", "rollout.temperature must be > 0"),
+    ("collect.temperature=0", "collect.temperature must be > 0"),
+    ("optim.lr_warmup_unit=epochs", "optim.lr_warmup_unit"),
 ])
 def test_cross_field_checks(override, needle):
     with pytest.raises(ValueError, match=needle):

@@ -11,6 +11,7 @@ import pytest
 from rlep_megatron.data import PromptRows, read_prompt_file
 from rlep_megatron.replay import (REPLAY, ExperiencePool, ReplaySampler, pool_rows, pool_stats,
                                   tokenize_replays, write_pool)
+from rlep_megatron.reward import compute_score
 
 pytestmark = pytest.mark.unit
 
@@ -79,6 +80,23 @@ def test_tokenize_replays_appends_eos_and_truncates(tiny_qwen2_dir):
     assert tokenizer.decode(replay.token_ids[:-1]) == text
     short = tokenize_replays([text], tokenizer, max_response_tokens=6)[0]
     assert short.token_ids == list(text.encode())[:6]
+    # what is scored is what is trained: the kept tokens' text, which lost its Answer line
+    assert short.text == text[:6]
+    assert not compute_score("tiny_arith", short.text, "5")["acc"]
+    assert compute_score("tiny_arith", replay.text, "5")["acc"]
+    # exactly at the budget (text + EOS): nothing cut, the pool text is kept
+    exact = tokenize_replays([text], tokenizer, max_response_tokens=len(text) + 1)[0]
+    assert exact.text == text and exact.token_ids[-1] == eos
+
+
+def test_min_correct_counts_correct_samples_not_distinct_texts():
+    """RLEP_SPEC.md section 1: a question needs at least 2 correct answers; two correct samples
+    with the same text are two correct answers (one distinct text is stored)."""
+    questions = rows_with([None, None, None])
+    rows = pool_rows(questions, [["Answer: 0"], ["Answer: 1"], ["Answer: 2", "so\nAnswer: 2"]],
+                     min_correct=2, correct_counts=[2, 1, 2])
+    assert rows.ground_truth == ["0", "2"]
+    assert rows.candidates == [["Answer: 0"], ["Answer: 2", "so\nAnswer: 2"]]
 
 
 def test_writer_schema_round_trip_and_stats(tmp_path, tiny_qwen2_dir):
