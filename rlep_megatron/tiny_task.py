@@ -12,8 +12,8 @@ Kinds (``make_tiny_task(kind=...)``):
 The warm-start corpus (``train_solutions.jsonl``) imitates a partially competent model: every
 training question has its correct worked solution plus ``num_slips_easy`` (easy questions) or
 ``num_slips_hard`` (hard ones) *slipped* solutions, each written out the same way but with a
-wrong result of the kind a model gets wrong (a digit off by one, a carry or a ten dropped; the
-runner-up for ``max``). A model warm-started on it computes the answer, and samples a slip
+wrong result of the kind a model gets wrong (``arith``: a ten dropped or added, as when a carry
+or borrow is mishandled, then the units digit off by one or two; ``max``: the runners-up). A model warm-started on it computes the answer, and samples a slip
 about as often as the corpus shows one (hard questions more than easy ones): the state RL with
 verifiable rewards starts from on real models, and one RL can improve by rewarding the correct
 result over the slips. With ``num_slips_* = 0`` the corpus is the reference solutions only.

@@ -1,0 +1,70 @@
+"""``rlep demo``'s report: curves across seeds, best/final spread, steps to the baseline's best,
+worked by hand on small curves."""
+import json
+
+import pytest
+
+from rlep_megatron.demo import band, comparison_table, plot_comparison, read_curves, summarise_arm
+
+pytestmark = pytest.mark.unit
+
+
+def run(val, train, step_s=1.0):
+    return {"val": dict(val), "train": dict(train), "step_s": {s: step_s for s in train}}
+
+
+BASELINE = [run({0: 0.30, 4: 0.50, 8: 0.60}, {1: 0.3, 2: 0.4}, 1.0),
+            run({0: 0.32, 4: 0.40, 8: 0.56}, {1: 0.5, 2: 0.6}, 2.0)]
+RLEP = [run({0: 0.30, 4: 0.58, 8: 0.62}, {1: 0.4, 2: 0.5}),
+        run({0: 0.32, 4: 0.60, 8: 0.50}, {1: 0.6, 2: 0.7})]
+
+
+def test_band_is_mean_min_max_over_seeds_on_shared_steps():
+    got = band([{0: 0.2, 4: 0.6}, {0: 0.4, 4: 0.2, 8: 0.9}])
+    assert list(got) == [0, 4]  # step 8 is missing from one seed
+    assert got[0] == pytest.approx((0.3, 0.2, 0.4))
+    assert got[4] == pytest.approx((0.4, 0.2, 0.6))
+
+
+def test_arm_summaries_and_steps_to_the_baseline_best():
+    base = summarise_arm(BASELINE, None)
+    # mean curve 0.31, 0.45, 0.58: best mean 0.58 at step 8; per-seed bests 0.60 and 0.56
+    assert base["best_mean_val"] == pytest.approx(0.58) and base["best_mean_step"] == 8
+    assert base["best_val"]["values"] == [0.60, 0.56]
+    assert base["best_val"]["mean"] == pytest.approx(0.58)
+    assert base["best_val"]["sd"] == pytest.approx(0.028284271, rel=1e-6)
+    assert base["final_val"]["values"] == [0.60, 0.56]
+    assert base["start_val"]["min"] == 0.30 and base["start_val"]["max"] == 0.32
+    assert base["steps_to_target"] == 8
+    assert base["step_s"]["mean"] == pytest.approx(1.5)
+    rlep = summarise_arm(RLEP, base["best_mean_val"])
+    # mean curve 0.31, 0.59, 0.56: first reaches 0.58 at step 4
+    assert rlep["steps_to_target"] == 4
+    assert rlep["final_val"]["values"] == [0.62, 0.50]
+    assert summarise_arm(RLEP, 0.99)["steps_to_target"] is None
+
+
+def test_table_and_plot(tmp_path):
+    summary = {"k": 8, "baseline": summarise_arm(BASELINE, None)}
+    summary["rlep"] = summarise_arm(RLEP, summary["baseline"]["best_mean_val"])
+    table = comparison_table(summary)
+    assert "over 2 seeds" in table
+    assert "best validation mean@8" in table and "58.0% (sd 2.8, 56.0-60.0)" in table
+    assert "steps to the baseline's best mean (58.0%)" in table
+    lines = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert lines["steps to the baseline's best mean (58.0%)"].split()[-2:] == ["8", "4"]
+    plot_comparison(json.loads(json.dumps(summary)), str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_read_curves_from_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    entries = [{"step": 0, "val/a/mean@8": 0.2, "val/b/mean@8": 0.4},
+               {"step": 1, "rollout/acc_mean": 0.5, "timing/step_s": 1.5},
+               {"step": 2, "rollout/acc_mean": 0.7, "timing/step_s": 2.5, "val/a/mean@8": 0.6,
+                "val/b/mean@8": 0.8, "val/a/pass@8": 1.0}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    curves = read_curves(str(path))
+    assert curves["val"] == pytest.approx({0: 0.3, 2: 0.7})
+    assert curves["train"] == {1: 0.5, 2: 0.7}
+    assert curves["step_s"] == {1: 1.5, 2: 2.5}
