@@ -41,9 +41,11 @@ class TrainBatch:
     """``[n, seq]`` reference-policy log-probs (only with a KL term)."""
 
     def lengths(self) -> torch.Tensor:
+        """``[n]`` columns each row needs: through its last trained token; at least 2 (one
+        next-token log-prob), which only a fully masked placeholder row would go below."""
         positions = torch.arange(self.input_ids.shape[1])
         last = torch.where(self.response_mask > 0, positions, torch.zeros_like(positions))
-        return last.max(dim=1).values + 1
+        return torch.clamp(last.max(dim=1).values + 1, min=min(2, self.input_ids.shape[1]))
 
 
 def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]]:
