@@ -77,7 +77,15 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
     # field by field the public RLEP schema, and the trainer's pool reader accepts it
     rows = read_prompt_file(str(out))
     assert pq.read_schema(out).equals(rows_to_table(rows, with_candidates=True).schema)
-    assert all(len(c) >= 2 for c in rows.candidates)
+    assert all(len(c) >= 1 for c in rows.candidates)
+    # min_correct (2) counts correct samples, duplicates included: a question of a finished
+    # shard is in the pool exactly when that shard recorded >= 2 correct samples for it
+    kept = {m[0]["content"] for m in rows.messages}
+    train = read_prompt_file(task["train"])
+    for text in before.values():
+        shard = json.loads(text)
+        for row, count in zip(shard["rows"], shard["correct_counts"]):
+            assert (train.messages[row][0]["content"] in kept) == (count >= 2), (row, count)
     for source, truth, candidates in zip(rows.data_source, rows.ground_truth, rows.candidates):
         assert len(set(candidates)) == len(candidates)  # distinct texts
         assert all(compute_score(source, c, truth)["acc"] for c in candidates)
