@@ -5,8 +5,9 @@ Load a checkpoint (HF directory or training checkpoint), deduplicate the trainin
 sample ``collect.num_samples_per_prompt`` answers per question (T, top-p from the config; the
 response budget of the training recipe, ``rollout.max_response_tokens``), score them, keep the
 verified-correct ones (distinct texts, in sampling order) and keep questions with at least
-``collect.min_correct`` correct samples (duplicates count: the spec counts correct answers). Output: the training parquet with ``reward_model.candidates`` (only
-the kept questions) and ``<output>.stats.json``.
+``collect.min_correct`` correct samples (duplicate texts count: the spec counts correct answers).
+Output: the training parquet with ``reward_model.candidates`` (only the kept questions) and
+``<output>.stats.json``.
 
 The questions are cut into ``collect.num_shards`` shards; each finished shard is written (by
 rank 0, atomically) to ``<output>.shards/shard_XXXXX.json`` and skipped after a restart. The
@@ -24,8 +25,11 @@ from typing import Optional
 import torch
 
 from rlep_megatron import distributed
+from rlep_megatron.checkpoint.staging import write_file_atomic
 
 logger = logging.getLogger(__name__)
+
+SHARD_FORMAT = 2
 
 
 def _shard_ranges(num_questions: int, num_shards: int) -> list[range]:
@@ -38,18 +42,14 @@ def _job_signature(cfg, checkpoint: str, rows) -> str:
     """Identity of a collection job: a restart may only reuse shards of the same job."""
     digest = hashlib.sha256()
     c = cfg.collect
+    # SHARD_FORMAT: shards written before per-question correct counts are another job
     digest.update(json.dumps([os.path.abspath(checkpoint), c.num_samples_per_prompt,
                               c.temperature, c.top_p, cfg.rollout.max_response_tokens,
-                              c.num_shards, cfg.trainer.seed, len(rows)]).encode())
+                              c.num_shards, cfg.trainer.seed, len(rows),
+                              SHARD_FORMAT]).encode())
     for row in range(len(rows)):
         digest.update(rows.prompt_key(row).encode())
     return digest.hexdigest()[:16]
-
-
-def _write_json_atomic(path: str, value) -> None:
-    from rlep_megatron.checkpoint.staging import write_file_atomic
-
-    write_file_atomic(path, json.dumps(value))
 
 
 def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
@@ -87,7 +87,8 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
                                          "job (checkpoint, data or sampling settings changed); "
                                          "remove it to start over")
             else:
-                _write_json_atomic(job_file, {"signature": signature, "shards": len(shards)})
+                write_file_atomic(job_file, json.dumps({"signature": signature,
+                                                        "shards": len(shards)}))
         torch.distributed.barrier()
         tokenizer = engine.llm.get_tokenizer()
         done = 0
@@ -119,8 +120,8 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
                 correct.append(texts)
                 counts.append(count)
             if rank0:
-                _write_json_atomic(path, {"rows": list(indices), "correct": correct,
-                                          "correct_counts": counts})
+                write_file_atomic(path, json.dumps({"rows": list(indices), "correct": correct,
+                                                    "correct_counts": counts}))
             torch.distributed.barrier()
             done += 1
             logger.info("shard %d/%d: %d questions, %d with >= %d correct answers", number + 1,

@@ -480,8 +480,7 @@ def run_train(cfg: RunConfig) -> str:
         trainer.run()
     except BaseException:
         # printed here, on the failing rank, before the clean-up below (which synchronises)
-        logging.getLogger(__name__).exception("training failed on rank %d",
-                                              torch.distributed.get_rank())
+        logger.exception("training failed on rank %d", torch.distributed.get_rank())
         raise
     finally:
         trainer.close()

@@ -68,3 +68,21 @@ def test_read_curves_from_metrics(tmp_path):
     assert curves["val"] == pytest.approx({0: 0.3, 2: 0.7})
     assert curves["train"] == {1: 0.5, 2: 0.7}
     assert curves["step_s"] == {1: 1.5, 2: 2.5}
+
+
+def test_a_demo_directory_from_other_settings_is_refused(tmp_path):
+    from rlep_megatron.demo import SETTINGS_FILE, _check_settings
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _check_settings(str(fresh))  # empty: the settings are recorded
+    _check_settings(str(fresh))  # same settings: continued
+    assert (fresh / SETTINGS_FILE).is_file()
+    old = tmp_path / "old"
+    (old / "model").mkdir(parents=True)  # an older demo's directory has no settings file
+    with pytest.raises(FileExistsError, match="other settings"):
+        _check_settings(str(old))
+    (fresh / SETTINGS_FILE).write_text(json.dumps({"task": {"kind": "max"}}))
+    with pytest.raises(FileExistsError, match="remove it or give another --out-dir"):
+        _check_settings(str(fresh))
+    assert len(list(old.iterdir())) == 1  # nothing written or removed
