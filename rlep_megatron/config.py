@@ -131,11 +131,19 @@ class ReplayConfig:
     pool_files: list[str] = field(default_factory=list)
     """Parquet files with ``reward_model.candidates``; empty = read candidates from the
     training files themselves (RLEP's released file layout)."""
+    clip_ratio_high: Optional[float] = None
+    """eps_high for replayed responses instead of ``algo.clip_ratio_high``: replays come from
+    an older policy, so their importance ratio can be capped separately (a smaller value
+    limits how far one step moves towards a replayed answer). null (default, the paper's
+    recipe) treats replays like fresh responses."""
 
     def __post_init__(self):
         if self.num_replays_per_prompt < 0:
             raise ValueError("replay.num_replays_per_prompt must be >= 0, got "
                              f"{self.num_replays_per_prompt}")
+        if self.clip_ratio_high is not None and self.clip_ratio_high < 0:
+            raise ValueError(f"replay.clip_ratio_high must be >= 0 or null, got "
+                             f"{self.clip_ratio_high}")
 
 
 @dataclass(frozen=True)
@@ -178,9 +186,29 @@ class AlgoConfig:
     advantage_normalize_std: bool = True
     """Divide by the group std (GRPO); false gives the mean-only Dr. GRPO variant."""
     kl_coef: float = 0.0
-    """KL penalty against the reference policy; 0 disables it (recipes use 0)."""
+    """Coefficient of a KL penalty to a frozen reference policy (the run's initial weights,
+    kept with the actor's TP/PP layout, its log-probs computed in the old-log-prob pass);
+    0 disables it and no reference model is built (the paper's recipes use 0)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator used when ``kl_coef`` > 0."""
+    """Per-token KL estimator of the penalty (Schulman 2020): ``k1`` log r, ``k2`` (log r)^2/2
+    (the "mse" of verl), ``k3`` exp(-log r) - 1 + log r (the "low_var_kl" of verl, GRPO's
+    choice), with log r = logp - ref_logp."""
+    kl_clamp: Optional[float] = None
+    """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (null: no clamp); verl clamps
+    its low-variance KL at 10."""
+    reference_offload: bool = False
+    """Keep the reference model's weights in CPU memory between its uses (GPU only; on CPU
+    the weights are in CPU memory anyway)."""
+    rollout_correction: Literal["off", "truncate", "mask"] = "off"
+    """Correct for the rollout engine / actor probability gap on fresh tokens
+    (:mod:`rlep_megatron.algo.correction`): ``truncate`` weights each token's loss by
+    min(rho, C) (TIS), ``mask`` drops tokens or sequences whose rho is outside [1/C, C]
+    (masked IS), where rho = pi_old / pi_rollout. Replays are never corrected."""
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = "token"
+    """Where rho is taken: per token, per sequence (product over its tokens) or the sequence's
+    geometric mean."""
+    rollout_correction_threshold: float = 2.0
+    """C of the rollout correction (> 1)."""
     entropy_coef: float = 0.0
     """Entropy bonus; 0 disables it (recipes use 0)."""
     dynamic_sampling: bool = False
@@ -198,6 +226,13 @@ class AlgoConfig:
         if self.max_generation_rounds < 1:
             raise ValueError(
                 f"algo.max_generation_rounds must be >= 1, got {self.max_generation_rounds}")
+        if self.kl_coef < 0:
+            raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_clamp is not None and self.kl_clamp <= 0:
+            raise ValueError(f"algo.kl_clamp must be > 0 or null, got {self.kl_clamp}")
+        if self.rollout_correction_threshold <= 1:
+            raise ValueError("algo.rollout_correction_threshold must be > 1 (tokens are kept "
+                             f"within [1/C, C]), got {self.rollout_correction_threshold}")
 
 
 @dataclass(frozen=True)
@@ -390,6 +425,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 errors.append(str(err))
         raise ValueError(errors[-1])
     if origin is Literal:
+        if isinstance(value, bool) and ("off" if value is False else "on") in args:
+            # YAML 1.1 reads a bare off / on (and no / yes) as a boolean
+            value = "on" if value else "off"
         if value not in args:
             raise ValueError(f"{key}: {value!r} is not one of {list(args)}")
         return value

@@ -202,3 +202,28 @@ def map_across_ranks(function, items: list) -> list:
     gathered: list = [None] * world
     torch.distributed.all_gather_object(gathered, local)
     return [result for part in gathered for result in part]
+
+
+def communication_device(group=None) -> torch.device:
+    """Where tensors of a collective on ``group`` must live: the current CUDA device for NCCL
+    (which handles CUDA tensors only), the CPU for gloo."""
+    backend = torch.distributed.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_values(values: dict[str, float], op: str = "sum", group=None) -> dict[str, float]:
+    """Named floats reduced over ``group`` (``sum`` or ``max``) in float64, one collective;
+    every rank gets the result. Collective."""
+    ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    keys = sorted(values)
+    if not torch.distributed.is_initialized() or not keys:
+        return dict(values)
+    buffer = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
+                          device=communication_device(group))
+    torch.distributed.all_reduce(buffer, op=ops[op], group=group)
+    return dict(zip(keys, buffer.cpu().tolist()))
+

@@ -47,6 +47,7 @@ class Sample:
     source: str                  # fresh | replay
     engine_logprobs: Optional[list[float]] = None
     finish_reason: str = "stop"
+    pool_index: Optional[int] = None     # a replay: which answer of its question's pool
     score: float = 0.0
     acc: bool = False
     reward: float = 0.0
@@ -149,6 +150,13 @@ class Trainer:
         else:
             self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
                                                    cfg.model.recompute_activations)
+        # the KL term's reference: the initial weights, copied before any update or resume
+        self.reference = None
+        if cfg.algo.kl_coef > 0:
+            from rlep_megatron.actor.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy(self.chunks, self.info,
+                                             offload=cfg.algo.reference_offload)
         self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
         self.max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
@@ -213,11 +221,15 @@ class Trainer:
 
         replays = []
         for group, row in enumerate(batch.rows):
-            texts = self.replay_sampler.draw(self.train_rows.messages[row])
-            for item in tokenize_replays(texts, self.tokenizer,
-                                         self.cfg.rollout.max_response_tokens,
-                                         self.engine.eos_token_id):
-                replays.append(Sample(group, item.token_ids, item.text, REPLAY))
+            messages = self.train_rows.messages[row]
+            indices = self.replay_sampler.draw_indices(messages)
+            answers = self.replay_sampler.pool.get(messages)
+            items = tokenize_replays([answers[i] for i in indices], self.tokenizer,
+                                     self.cfg.rollout.max_response_tokens,
+                                     self.engine.eos_token_id)
+            for index, item in zip(indices, items):
+                replays.append(Sample(group, item.token_ids, item.text, REPLAY,
+                                      pool_index=index))
         # each group: its G fresh responses, then its replays
         by_group: dict[int, list[Sample]] = {}
         for seq in batch.sequences + replays:
@@ -291,6 +303,16 @@ class Trainer:
         kept.generation_rounds = rounds
         return kept
 
+    def _count_replays(self, batch: StepBatch) -> None:
+        """Count the replays that made it into the step's batch (dynamic sampling may have
+        dropped the groups of others)."""
+        if self.replay_sampler is None:
+            return
+        for seq in batch.sequences:
+            if seq.source == REPLAY:
+                self.replay_sampler.record(self.train_rows.messages[batch.rows[seq.group]],
+                                           seq.pool_index)
+
     def _seed(self, round_index: int) -> int:
         return (self.cfg.trainer.seed * 1_000_003 + self.step) * 101 + round_index
 
@@ -303,11 +325,15 @@ class Trainer:
         return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
 
     def _train_batch(self, batch: StepBatch, indices: list[int]):
-        """This DP rank's slice of a mini-batch, with old log-probs from the current actor."""
+        """This DP rank's slice of a mini-batch, with old log-probs from the current actor (and
+        the reference's, with a KL term), plus this slice's sums and maxima for the step's
+        metrics (reduced over DP ranks by :meth:`old_logprob`)."""
         from rlep_megatron.actor.forward import pad_sequences
         from rlep_megatron.actor.train_step import TrainBatch
+        from rlep_megatron.algo import mismatch_kl, rollout_correction_weights
         from rlep_megatron.rollout.parity import actor_logprobs_everywhere, logprob_abs_diff
 
+        algo = self.cfg.algo
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
         mine = indices[dp_rank * len(indices) // dp:(dp_rank + 1) * len(indices) // dp]
         # a mini-batch with fewer sequences than DP ranks leaves some ranks none: they still
@@ -321,27 +347,84 @@ class Trainer:
         mask = ((positions >= torch.tensor(starts)[:, None])
                 & (positions < lengths[:, None])).float() * (0.0 if placeholder else 1.0)
         micro = max(1, self.cfg.trainer.micro_batch_max_tokens // max(1, ids.shape[1]))
-        old = actor_logprobs_everywhere(self.chunks, self.info, [list(r) for r in ids.tolist()],
-                                        self.pad_id, micro_batch_size=micro,
+        rows = [list(r) for r in ids.tolist()]
+        old = actor_logprobs_everywhere(self.chunks, self.info, rows, self.pad_id,
+                                        micro_batch_size=micro,
                                         temperature=self.cfg.rollout.temperature)
-        # parity probe on fresh tokens: vLLM's log-probs vs the actor's (same weights)
+        ref = (self.reference.logprobs(rows, self.pad_id, micro, self.cfg.rollout.temperature)
+               if self.reference is not None else None)
+        # the engine's log-probs of fresh tokens, aligned with the actor's columns
         fresh = [row for row, s in enumerate(seqs)
                  if s.source == FRESH and s.engine_logprobs and not placeholder]
+        rollout_logp = torch.zeros_like(old)
+        rollout_mask = torch.zeros_like(mask)
+        for row in fresh:
+            values = seqs[row].engine_logprobs
+            rollout_logp[row, starts[row]:starts[row] + len(values)] = torch.tensor(values)
+            rollout_mask[row, starts[row]:starts[row] + len(values)] = 1.0
         parity = logprob_abs_diff([seqs[r].engine_logprobs for r in fresh], old[fresh],
                                   [starts[r] for r in fresh])
-        train = TrainBatch(ids, mask, old, torch.tensor([s.advantage for s in seqs]),
-                           torch.tensor([s.source == REPLAY for s in seqs]))
-        return train, parity["mean"] * parity["tokens"], parity["tokens"]
+        weights, changed = rollout_correction_weights(
+            old, rollout_logp, rollout_mask, algo.rollout_correction,
+            algo.rollout_correction_level, algo.rollout_correction_threshold)
+        is_replay = torch.tensor([s.source == REPLAY for s in seqs])
+        mismatch = mismatch_kl(old, rollout_logp, rollout_mask)
+        on = rollout_mask > 0
+        nll = -old.to(torch.float64) * mask
+        sums = {"parity": parity["mean"] * parity["tokens"], "parity_tokens": parity["tokens"],
+                "mismatch_k1": mismatch["k1"], "mismatch_k3": mismatch["k3"],
+                "rollout_tokens": mismatch["tokens"], "rollout_seqs": float(len(fresh)),
+                "correction_weight": float((weights * rollout_mask).sum()),
+                "correction_tokens": float(changed.sum()),
+                "correction_seqs": float(changed.any(dim=1).sum())}
+        maxima = {"correction_weight_max": float(weights[on].max()) if on.any() else 1.0,
+                  "correction_weight_neg_min": -float(weights[on].min()) if on.any() else -1.0,
+                  "ref_logp_abs_diff": (float(((old - ref).abs() * mask).max())
+                                        if ref is not None else 0.0)}
+        for name, rows_of in (("fresh", ~is_replay), ("replay", is_replay)):
+            part = mask * rows_of.float().unsqueeze(1)
+            sums[f"nll_{name}"] = float((nll * part).sum())
+            sums[f"tokens_{name}"] = float(part.sum())
+            maxima[f"nll_max_{name}"] = float((nll * part).max()) if part.any() else 0.0
+        train = TrainBatch(ids, mask, old, torch.tensor([s.advantage for s in seqs]), is_replay,
+                           ref_logp=ref,
+                           token_weights=(weights.float() if algo.rollout_correction != "off"
+                                          else None))
+        return train, sums, maxima
 
     def old_logprob(self, batch: StepBatch, plan: list[list[int]]):
-        parts = [self._train_batch(batch, indices) for indices in plan]
-        totals = torch.tensor([sum(p[1] for p in parts), sum(p[2] for p in parts)],
-                              dtype=torch.float64)
+        """Old (and reference) log-probs of every mini-batch, and the step's metrics of the
+        engine/actor gap, the rollout correction and how off-policy replays are."""
         from megatron.core import parallel_state as ps
 
-        torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
-        parity = float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
-        return [p[0] for p in parts], parity
+        parts = [self._train_batch(batch, indices) for indices in plan]
+        dp_group = ps.get_data_parallel_group()
+        sums = distributed.reduce_values({k: sum(p[1][k] for p in parts) for k in parts[0][1]},
+                                         "sum", dp_group)
+        maxima = distributed.reduce_values(
+            {k: max(p[2][k] for p in parts) for k in parts[0][2]}, "max", dp_group)
+        rollout_tokens = max(sums["rollout_tokens"], 1.0)
+        metrics = {
+            "rollout/logprob_abs_diff": (sums["parity"] / sums["parity_tokens"]
+                                         if sums["parity_tokens"] > 0 else 0.0),
+            "rollout/mismatch_kl_k1": sums["mismatch_k1"] / rollout_tokens,
+            "rollout/mismatch_kl_k3": sums["mismatch_k3"] / rollout_tokens,
+            "train/old_nll_mean/fresh": sums["nll_fresh"] / max(sums["tokens_fresh"], 1.0),
+            "train/old_nll_mean/replay": sums["nll_replay"] / max(sums["tokens_replay"], 1.0),
+            "train/old_nll_max/fresh": maxima["nll_max_fresh"],
+            "train/old_nll_max/replay": maxima["nll_max_replay"],
+        }
+        if self.cfg.algo.rollout_correction != "off":
+            metrics.update({
+                "rollout/correction_weight_mean": sums["correction_weight"] / rollout_tokens,
+                "rollout/correction_weight_max": maxima["correction_weight_max"],
+                "rollout/correction_weight_min": -maxima["correction_weight_neg_min"],
+                "rollout/correction_token_frac": sums["correction_tokens"] / rollout_tokens,
+                "rollout/correction_seq_frac": (sums["correction_seqs"]
+                                                / max(sums["rollout_seqs"], 1.0))})
+        if self.reference is not None:
+            metrics["train/ref_logp_abs_diff_max"] = maxima["ref_logp_abs_diff"]
+        return [p[0] for p in parts], metrics
 
     def train(self, train_batches) -> dict[str, float]:
         from rlep_megatron.actor.train_step import train_mini_batch
@@ -349,7 +432,8 @@ class Trainer:
         self.optimizer.training_step = self.step  # the lr warm-up may count training steps
         results = [train_mini_batch(self.chunks, self.optimizer, self.info, tb, self.cfg.algo,
                                     self.cfg.trainer.micro_batch_max_tokens,
-                                    temperature=self.cfg.rollout.temperature)
+                                    temperature=self.cfg.rollout.temperature,
+                                    replay_clip_high=self.cfg.replay.clip_ratio_high)
                    for tb in train_batches]
         out = {}
         for key in results[0]:
@@ -377,7 +461,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def step_metrics(self, batch: StepBatch, train: dict, parity: float) -> dict[str, float]:
+    def step_metrics(self, batch: StepBatch, train: dict, old: dict) -> dict[str, float]:
         fresh = [s for s in batch.sequences if s.source == FRESH]
         replay = [s for s in batch.sequences if s.source == REPLAY]
         with_pool = {s.group for s in replay}
@@ -389,7 +473,6 @@ class Trainer:
             "rollout/response_len_mean": _mean(len(s.token_ids) for s in fresh),
             "rollout/response_len_max": float(max((len(s.token_ids) for s in fresh), default=0)),
             "rollout/truncated_frac": _mean(s.finish_reason == "length" for s in fresh),
-            "rollout/logprob_abs_diff": parity,
             "rollout/generation_rounds": float(batch.generation_rounds),
             "rollout/num_groups": float(len(batch.rows)),
             "replay/fraction": (len(replay) / len(in_pool_groups)) if in_pool_groups else 0.0,
@@ -401,6 +484,10 @@ class Trainer:
             "advantage/mean/fresh": _mean(s.advantage for s in fresh),
             "advantage/mean/replay": _mean(s.advantage for s in replay),
         }
+        if self.replay_sampler is not None:
+            m.update({f"replay/{k}": v
+                      for k, v in self.replay_sampler.replay_counts_summary().items()})
+        m.update(old)
         for key, value in train.items():
             m[f"train/{key}"] = value
         return m
@@ -409,6 +496,7 @@ class Trainer:
         timer = Timer()
         step_start = time.perf_counter()
         batch = self.make_batch(timer)
+        self._count_replays(batch)
         with timer.phase("advantage"):
             self.advantage(batch)
         plan = self.mini_batches(batch)
@@ -416,13 +504,13 @@ class Trainer:
         # sleep); the weight sync below refills them. No-op on CPU.
         with self.engine.released():
             with timer.phase("old_logprob"):
-                train_batches, parity = self.old_logprob(batch, plan)
+                train_batches, old_metrics = self.old_logprob(batch, plan)
             with timer.phase("train"):
                 train = self.train(train_batches)
         with timer.phase("weight_sync"):
             self.weight_sync()
         self.step += 1
-        metrics = self.step_metrics(batch, train, parity)
+        metrics = self.step_metrics(batch, train, old_metrics)
         metrics.update(timer.values)
         metrics["timing/step_s"] = time.perf_counter() - step_start
         return metrics

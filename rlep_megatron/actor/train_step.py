@@ -39,6 +39,9 @@ class TrainBatch:
     """``[n]`` bool, True for replayed pool answers."""
     ref_logp: Optional[torch.Tensor] = None
     """``[n, seq]`` reference-policy log-probs (only with a KL term)."""
+    token_weights: Optional[torch.Tensor] = None
+    """``[n, seq]`` constant weights of each token's policy loss (only with a rollout
+    correction)."""
 
     def lengths(self) -> torch.Tensor:
         """``[n]`` columns each row needs: through its last trained token; at least 2 (one
@@ -92,16 +95,20 @@ def _micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int],
            "old_logp": batch.old_logp[index, :length].float(),
            "advantages": batch.advantages[index].float(),
            "is_replay": batch.is_replay[index]}
-    if batch.ref_logp is not None:
-        out["ref_logp"] = batch.ref_logp[index, :length].float()
+    for key in ("ref_logp", "token_weights"):
+        value = getattr(batch, key)
+        if value is not None:
+            out[key] = value[index, :length].float()
     return out
 
 
 def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                      info: ActorModelInfo, batch: TrainBatch, algo: AlgoConfig,
-                     micro_batch_max_tokens: int, temperature: float = 1.0) -> dict[str, float]:
+                     micro_batch_max_tokens: int, temperature: float = 1.0,
+                     replay_clip_high: Optional[float] = None) -> dict[str, float]:
     """Forward/backward over the mini-batch and one optimizer step; returns metrics (same on
-    every rank)."""
+    every rank). With ``batch.ref_logp`` the metrics carry the KL estimators (``kl_k1`` ...,
+    split fresh/replay)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -135,8 +142,9 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                 loss_agg_mode=algo.loss_agg_mode, global_num_tokens=global_tokens,
                 global_num_sequences=global_sequences, is_replay=mb["is_replay"],
                 ref_logp=mb.get("ref_logp"), kl_coef=algo.kl_coef,
-                kl_estimator=algo.kl_estimator, entropy=entropy,
-                entropy_coef=algo.entropy_coef)
+                kl_estimator=algo.kl_estimator, kl_clamp=algo.kl_clamp, entropy=entropy,
+                entropy_coef=algo.entropy_coef, token_weights=mb.get("token_weights"),
+                replay_clip_high=replay_clip_high)
             metrics["entropy_sum"] = float((entropy.detach() * mb["response_mask"]).sum())
             return loss * compensation, metrics
 
@@ -151,7 +159,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
         seq_length=max_len, micro_batch_size=max(len(g) for g in groups), forward_only=False)
     applied, grad_norm = optimizer.step()
-    metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True))
+    metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True),
+                              with_kl=batch.ref_logp is not None)
     metrics.update({"grad_norm": grad_norm, "step_applied": float(applied),
                     "lr": optimizer.current_lr(), "num_micro_batches": float(len(groups))})
     return metrics
@@ -160,21 +169,27 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
 # Summed over micro-batches and DP ranks as they are: losses already carry the global
 # normaliser, the rest are counts. Every other metric is a token-weighted mean.
 _SUMMED = ("pg_loss", "kl", "entropy_sum", "num_tokens", "num_tokens/fresh", "num_tokens/replay")
+_SPLITS = ("", "/fresh", "/replay")
 _TOKEN_MEANS = tuple(f"{name}{suffix}" for name in ("pg_clipfrac", "ratio_mean", "approx_kl")
-                     for suffix in ("", "/fresh", "/replay")) + (
+                     for suffix in _SPLITS) + (
     "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_dual")
+_KL_MEANS = tuple(f"kl_{estimator}{suffix}" for estimator in ("k1", "k2", "k3")
+                  for suffix in _SPLITS)
 
 
 def _token_count_key(key: str) -> str:
     return "num_tokens" + (key[key.index("/"):] if "/" in key else "")
 
 
-def _reduce_metrics(outputs: list[dict], is_last_stage: bool) -> dict[str, float]:
+def _reduce_metrics(outputs: list[dict], is_last_stage: bool,
+                    with_kl: bool = False) -> dict[str, float]:
     """Micro-batch metrics reduced over micro-batches and DP ranks on the last pipeline stage,
-    then broadcast to the whole pipeline. ``kl`` is 0 when the KL term is off."""
+    then broadcast to the whole pipeline. ``kl`` (the penalty term) is 0 when the KL term is
+    off; ``with_kl`` adds the token means of every estimator."""
     from megatron.core import parallel_state as ps
 
-    keys = _SUMMED + _TOKEN_MEANS
+    token_means = _TOKEN_MEANS + (_KL_MEANS if with_kl else ())
+    keys = _SUMMED + token_means
     sums = torch.zeros(len(keys), dtype=torch.float64)
     ratio_max = torch.zeros(1, dtype=torch.float64)
     if is_last_stage:
@@ -190,7 +205,7 @@ def _reduce_metrics(outputs: list[dict], is_last_stage: bool) -> dict[str, float
     torch.distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
     values = dict(zip(keys, packed[:-1].tolist()))
-    result = {key: values[key] / max(values[_token_count_key(key)], 1.0) for key in _TOKEN_MEANS}
+    result = {key: values[key] / max(values[_token_count_key(key)], 1.0) for key in token_means}
     result.update(pg_loss=values["pg_loss"], kl=values["kl"], num_tokens=values["num_tokens"],
                   entropy=values["entropy_sum"] / max(values["num_tokens"], 1.0),
                   ratio_max=float(packed[-1]))

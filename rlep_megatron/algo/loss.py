@@ -41,20 +41,30 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str,
     raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3",
+               clamp: Optional[float] = None) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+    divergence", 2020; the k1/k2/k3 of verl, OpenRLHF and NeMo-RL).
 
     k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r, with log r = logp - ref_logp.
-    k1 and k3 are unbiased; k3 is non-negative.
+    k1 and k3 are unbiased; k2 and k3 are non-negative; the gradients with respect to logp are
+    1, log r and 1 - exp(-log r). ``clamp`` bounds each token's value to [-clamp, clamp] (its
+    gradient is then 0): one token whose reference probability is tiny cannot dominate.
     """
     log_ratio = logp - ref_logp
     if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.pow(2)
-    if estimator == "k3":
-        return torch.exp(-log_ratio) - 1.0 + log_ratio
-    raise ValueError(f"kl estimator must be one of k1, k2, k3; got {estimator!r}")
+        value = log_ratio
+    elif estimator == "k2":
+        value = 0.5 * log_ratio.pow(2)
+    elif estimator == "k3":
+        value = torch.exp(-log_ratio) - 1.0 + log_ratio
+    else:
+        raise ValueError(f"kl estimator must be one of {', '.join(KL_ESTIMATORS)}; "
+                         f"got {estimator!r}")
+    return value if clamp is None else torch.clamp(value, -clamp, clamp)
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str = "global_token_mean",
@@ -72,8 +82,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 global_num_sequences: Optional[float] = None,
                 is_replay: Optional[torch.Tensor] = None,
                 ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0,
-                kl_estimator: str = "k3", entropy: Optional[torch.Tensor] = None,
-                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                kl_estimator: str = "k3", kl_clamp: Optional[float] = None,
+                entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
+                token_weights: Optional[torch.Tensor] = None,
+                replay_clip_high: Optional[float] = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of one micro-batch.
 
     Args:
@@ -89,8 +102,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         global_num_sequences: sequences of the whole mini-batch (``reference_micro_batch_mean``).
         is_replay: ``[batch]`` bool, True for replayed responses; adds ``/fresh`` and
             ``/replay`` splits of the metrics.
-        ref_logp, kl_coef, kl_estimator: optional KL penalty (off when ``kl_coef`` is 0).
+        ref_logp, kl_coef, kl_estimator, kl_clamp: optional KL penalty to a reference policy
+            (:func:`kl_penalty`; off when ``kl_coef`` is 0), aggregated like the policy loss.
+            With ``ref_logp`` given, the metrics carry every estimator (``kl_k1`` ...),
+            split fresh/replay, whatever the coefficient.
         entropy, entropy_coef: optional entropy bonus ``[batch, seq]`` (off when 0).
+        token_weights: optional ``[batch, seq]`` constant weights of the per-token policy loss
+            (rollout correction, :mod:`rlep_megatron.algo.correction`); no gradient flows
+            through them, and the normaliser is unchanged (a weight-0 token counts as 0).
+        replay_clip_high: eps_high for replayed rows instead of ``clip_high`` (needs
+            ``is_replay``); ``None`` treats replays like fresh responses.
 
     Returns:
         ``(loss, metrics)``: the scalar loss to backpropagate and float metrics computed over
@@ -106,12 +127,27 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
+    if replay_clip_high is None:
+        clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    else:
+        if is_replay is None:
+            raise ValueError("replay_clip_high needs is_replay")
+        rows = is_replay.to(device=ratio.device, dtype=torch.bool).unsqueeze(-1)
+        bounds = torch.tensor([1.0 + replay_clip_high, 1.0 + clip_high], dtype=ratio.dtype,
+                              device=ratio.device)
+        upper = torch.where(rows, bounds[0], bounds[1])
+        clipped_ratio = torch.minimum(torch.clamp(ratio, min=1.0 - clip_low), upper)
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_clipped = -advantages * clipped_ratio
     loss_clip_higher = torch.maximum(loss_unclipped, loss_clipped)
     loss_dual = torch.minimum(loss_clip_higher, -advantages * clip_c)
     negative = advantages < 0
     per_token = torch.where(negative, loss_dual, loss_clip_higher)
+    if token_weights is not None:
+        if token_weights.shape != logp.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must have the shape "
+                             f"of logp {tuple(logp.shape)}")
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
 
     pg_loss = _aggregate(per_token, mask, loss_agg_mode, global_num_tokens, global_num_sequences)
     loss = pg_loss
@@ -119,8 +155,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if kl_coef != 0.0:
         if ref_logp is None:
             raise ValueError("kl_coef != 0 needs ref_logp")
-        kl_value = _aggregate(kl_penalty(logp, ref_logp, kl_estimator), mask, loss_agg_mode,
-                              global_num_tokens, global_num_sequences)
+        kl_value = _aggregate(kl_penalty(logp, ref_logp, kl_estimator, kl_clamp), mask,
+                              loss_agg_mode, global_num_tokens, global_num_sequences)
         loss = loss + kl_coef * kl_value
     if entropy_coef != 0.0:
         if entropy is None:
@@ -138,6 +174,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "ratio_mean": ratio,
             "approx_kl": -log_ratio,
         }
+        if ref_logp is not None:
+            for estimator in KL_ESTIMATORS:
+                flags[f"kl_{estimator}"] = kl_penalty(logp.detach(), ref_logp, estimator)
         metrics = {"pg_loss": float(pg_loss.detach())}
         if kl_value is not None:
             metrics["kl"] = float(kl_value.detach())

@@ -70,7 +70,10 @@ class ExperiencePool:
 class ReplaySampler:
     """Draws M pool answers per prompt occurrence, uniformly without replacement (all of them,
     in stored order, when the pool has <= M); a fresh draw every time a row is used.
-    Its RNG state is saved in checkpoints so a resumed run draws the same replays."""
+
+    It also counts how many times each pool answer has been replayed (:meth:`record`, called
+    for the replays that made it into a training batch). The RNG state and the counts are
+    saved in checkpoints, so a resumed run draws the same replays and keeps counting."""
 
     def __init__(self, pool: ExperiencePool, num_replays_per_prompt: int, seed: int):
         if num_replays_per_prompt < 0:
@@ -78,22 +81,46 @@ class ReplaySampler:
         self.pool = pool
         self.num_replays_per_prompt = num_replays_per_prompt
         self._rng = np.random.default_rng([seed, 0x5E1A7])
+        self._counts: dict[str, list[int]] = {}
+        self._num_answers = sum(len(texts) for texts in pool.answers.values())
+
+    def draw_indices(self, messages: Sequence[dict]) -> list[int]:
+        """Indices into the question's pool answers (``pool.get(messages)``)."""
+        n = len(self.pool.get(messages))
+        m = self.num_replays_per_prompt
+        if m == 0 or n == 0:
+            return []
+        if n <= m:
+            return list(range(n))
+        return [int(i) for i in self._rng.choice(n, size=m, replace=False)]
 
     def draw(self, messages: Sequence[dict]) -> list[str]:
         answers = self.pool.get(messages)
-        m = self.num_replays_per_prompt
-        if m == 0 or not answers:
-            return []
-        if len(answers) <= m:
-            return list(answers)
-        picks = self._rng.choice(len(answers), size=m, replace=False)
-        return [answers[i] for i in picks]
+        return [answers[i] for i in self.draw_indices(messages)]
+
+    def record(self, messages: Sequence[dict], index: int) -> None:
+        """Count one replay of answer ``index`` of the question ``messages``."""
+        key = prompt_key(messages)
+        counts = self._counts.setdefault(key, [0] * len(self.pool.answers[key]))
+        counts[index] += 1
+
+    def replay_counts_summary(self) -> dict[str, float]:
+        """How often pool answers have been replayed so far: ``times_replayed_mean`` (over every
+        answer of the pool), ``times_replayed_max`` and ``answers_replayed_frac`` (answers
+        replayed at least once)."""
+        flat = [c for counts in self._counts.values() for c in counts]
+        total = max(1, self._num_answers)
+        return {"times_replayed_mean": sum(flat) / total,
+                "times_replayed_max": float(max(flat, default=0)),
+                "answers_replayed_frac": sum(c > 0 for c in flat) / total}
 
     def state_dict(self) -> dict:
-        return {"bit_generator": self._rng.bit_generator.state}
+        return {"bit_generator": self._rng.bit_generator.state,
+                "counts": {key: list(c) for key, c in self._counts.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self._rng.bit_generator.state = state["bit_generator"]
+        self._counts = {key: list(c) for key, c in state.get("counts", {}).items()}
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,31 @@ def test_draws_are_reproducible_and_resumable():
     assert [ReplaySampler(pool, 3, seed=6).draw(msg(0)) for _ in range(8)] != expected
 
 
+def test_replay_counts_summarise_every_answer_and_survive_a_resume():
+    pool = ExperiencePool.from_rows(rows_with([list("abcd"), ["x", "y"], ["z"], list("pq")]))
+    sampler = ReplaySampler(pool, 2, seed=3)
+    expected = Counter()
+    for _ in range(5):
+        for i in (0, 1, 2):
+            for index in sampler.draw_indices(msg(i)):
+                sampler.record(msg(i), index)
+                expected[(i, index)] += 1
+    # counted independently: 9 answers in the pool, question 3 never drawn
+    summary = sampler.replay_counts_summary()
+    assert summary["times_replayed_mean"] == pytest.approx(sum(expected.values()) / 9)
+    assert summary["times_replayed_max"] == max(expected.values()) == 5  # "z" every time
+    assert summary["answers_replayed_frac"] == pytest.approx(len(expected) / 9)
+    assert summary["answers_replayed_frac"] < 1
+    resumed = ReplaySampler(pool, 2, seed=3)
+    resumed.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+    assert resumed.replay_counts_summary() == summary
+    resumed.record(msg(3), 1)
+    assert resumed.replay_counts_summary()["answers_replayed_frac"] == pytest.approx(
+        (len(expected) + 1) / 9)
+    assert ReplaySampler(pool, 2, seed=3).replay_counts_summary() == {
+        "times_replayed_mean": 0.0, "times_replayed_max": 0.0, "answers_replayed_frac": 0.0}
+
+
 def test_tokenize_replays_appends_eos_and_truncates(tiny_qwen2_dir):
     from transformers import AutoTokenizer
 

@@ -1,0 +1,61 @@
+"""The frozen reference policy of the KL term: a copy of the actor's initial weights with the
+actor's TP/PP/VPP layout, used only for forward passes.
+
+It is built from the actor's chunks before any update (and before a resume loads a checkpoint
+into the actor), so it always holds the run's initial weights; checkpoints need not store it.
+With ``offload`` (GPU only) its weights live in CPU memory between uses and move to the GPU for
+each forward pass.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from rlep_megatron.actor.model import ActorModelInfo, build_model, unwrap
+
+
+class ReferencePolicy:
+    def __init__(self, actor_chunks: list[torch.nn.Module], info: ActorModelInfo,
+                 offload: bool = False):
+        self.info = info
+        self.chunks, _ = build_model(info.hf_config, info.params_dtype)
+        for ref, actor in zip(self.chunks, actor_chunks):
+            ref.load_state_dict(unwrap(actor).state_dict())
+            ref.eval()
+            for param in ref.parameters():
+                param.requires_grad_(False)
+        self.device = next(self.chunks[0].parameters()).device
+        self.offload = offload and self.device.type != "cpu"
+        if self.offload:
+            self._move(torch.device("cpu"))
+
+    def _move(self, device: torch.device) -> None:
+        for chunk in self.chunks:
+            for tensor in list(chunk.parameters()) + list(chunk.buffers()):
+                tensor.data = tensor.data.to(device, non_blocking=True)
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """The reference's weights on the compute device for the duration (a no-op unless
+        offloaded)."""
+        if not self.offload:
+            yield self.chunks
+            return
+        self._move(self.device)
+        try:
+            yield self.chunks
+        finally:
+            self._move(torch.device("cpu"))
+
+    def logprobs(self, sequences: Sequence[Sequence[int]], pad_id: int, micro_batch_size: int,
+                 temperature: float) -> torch.Tensor:
+        """Per-token log-probs of ``sequences`` on every rank (as the actor's old log-probs).
+        Collective."""
+        from rlep_megatron.rollout.parity import actor_logprobs_everywhere
+
+        with self.on_device() as chunks:
+            return actor_logprobs_everywhere(chunks, self.info, sequences, pad_id,
+                                             micro_batch_size=micro_batch_size,
+                                             temperature=temperature)

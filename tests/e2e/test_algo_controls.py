@@ -1,0 +1,112 @@
+"""The algorithm controls end to end on CPU, 2 ranks: the KL term against a reference policy
+(actor PP=2 with an exact resume; actor TP=2), the rollout correction (fp32: weights 1 and the
+update unchanged; bf16: a measured engine/actor gap that the correction acts on), and the
+replay accounting."""
+import pytest
+
+from tests.e2e.helpers import read_jsonl, recipe, reference_pool, run_rlep, small_task, \
+    train_overrides
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+M = 2
+PROMPTS_PER_STEP = 4  # train_overrides: data.train_batch_size
+POOL_ANSWERS = 48 * 2  # small_task's 48 questions x the reference pool's 2 answers
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return small_task(str(tmp_path_factory.mktemp("task")))
+
+
+@pytest.fixture(scope="module")
+def pool(task, tmp_path_factory):
+    return reference_pool(task, str(tmp_path_factory.mktemp("pool") / "pool.parquet"))
+
+
+def train(model, task, pool, out, steps, *extra):
+    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+              *train_overrides(model, task, str(out), steps=steps),
+              f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
+              "trainer.validation_interval_steps=0", *extra], nproc=2)
+    return read_jsonl(out / "metrics.jsonl")
+
+
+def without_timings(entry):
+    return {k: v for k, v in entry.items() if not k.startswith("timing/")}
+
+
+def test_kl_with_pipeline_parallel_resumes_bit_for_bit(tiny_qwen2_dir, task, pool, tmp_path):
+    common = ["parallel.pipeline_model_parallel_size=2", "rollout.tensor_model_parallel_size=1",
+              "algo.kl_coef=0.05", "algo.kl_estimator=k3", "algo.rollout_correction=truncate"]
+    straight = train(tiny_qwen2_dir, task, pool, tmp_path / "straight", 4, *common)
+    train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 2, *common)
+    resumed = train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 4, *common)
+    assert [e["step"] for e in straight] == [e["step"] for e in resumed] == [1, 2, 3, 4]
+    for a, b in zip(straight, resumed):
+        assert without_timings(a) == without_timings(b), a["step"]
+
+    # the reference is the initial policy: identical log-probs before the first update
+    # (same weights, same forward), then the policy moves away from it
+    assert straight[0]["train/ref_logp_abs_diff_max"] == 0.0
+    assert 0 < straight[1]["train/ref_logp_abs_diff_max"] < straight[3][
+        "train/ref_logp_abs_diff_max"]
+    assert 0 < straight[0]["train/kl_k3"] < straight[3]["train/kl_k3"]
+    # the penalty term uses the chosen estimator
+    assert straight[3]["train/kl"] == pytest.approx(straight[3]["train/kl_k3"], rel=1e-5)
+    for entry in straight:
+        for estimator in ("k1", "k2", "k3"):
+            for suffix in ("/fresh", "/replay"):
+                assert f"train/kl_{estimator}{suffix}" in entry
+        # fp32 everywhere: the engine's and the actor's probabilities agree, weights are 1
+        assert abs(entry["rollout/correction_weight_max"] - 1) <= 1e-5
+        assert abs(entry["rollout/correction_weight_min"] - 1) <= 1e-5
+        assert entry["rollout/correction_token_frac"] == 0.0
+        assert abs(entry["rollout/mismatch_kl_k3"]) <= 1e-9
+
+    # replay accounting, counted independently: every step replays M answers for each of its
+    # prompts (every training question has a pool of 2)
+    for entry in straight:
+        assert entry["replay/times_replayed_mean"] == pytest.approx(
+            entry["step"] * PROMPTS_PER_STEP * M / POOL_ANSWERS, rel=1e-12)
+        assert entry["replay/answers_replayed_frac"] <= entry["replay/times_replayed_mean"]
+        assert entry["train/old_nll_mean/replay"] > 0 and entry["train/old_nll_mean/fresh"] > 0
+        assert entry["train/old_nll_max/replay"] >= entry["train/old_nll_mean/replay"]
+
+
+def test_rollout_correction_in_fp32_leaves_the_update_unchanged(tiny_qwen2_dir, task, pool,
+                                                               tmp_path):
+    """Actor TP=2 with the KL term on. Masking keeps every token (weights exactly 1), so the
+    run equals the uncorrected one bit for bit; truncation's weights are within 1e-5 of 1, so
+    its update is the same within that."""
+    common = ["parallel.tensor_model_parallel_size=2", "algo.kl_coef=0.05"]
+    runs = {mode: train(tiny_qwen2_dir, task, pool, tmp_path / mode, 2, *common,
+                        f"algo.rollout_correction={mode}")
+            for mode in ("off", "mask", "truncate")}
+    for off, mask, truncate in zip(runs["off"], runs["mask"], runs["truncate"]):
+        shared = {k for k in without_timings(off)}
+        assert not any(k.startswith("rollout/correction") for k in shared)
+        assert {k: off[k] for k in shared} == {k: mask[k] for k in shared}
+        assert mask["rollout/correction_weight_min"] == mask["rollout/correction_weight_max"] == 1
+        assert truncate["rollout/correction_weight_max"] <= 1 + 1e-5
+        for key in ("train/pg_loss", "train/grad_norm", "train/kl"):
+            assert truncate[key] == pytest.approx(off[key], rel=1e-4, abs=1e-7), key
+        assert off["train/kl_k3"] > 0
+
+
+def test_bf16_gap_is_measured_and_corrected(tiny_qwen2_dir, task, pool, tmp_path):
+    """bf16 actor (megatron's mixed-precision distributed optimizer) and bf16 vLLM: the two
+    no longer agree to float precision; the metrics show it and truncation bites."""
+    threshold = 1.002
+    (first, second) = train(tiny_qwen2_dir, task, pool, tmp_path / "bf16", 2,
+                            "model.params_dtype=bfloat16",
+                            "parallel.tensor_model_parallel_size=2",
+                            "algo.rollout_correction=truncate",
+                            f"algo.rollout_correction_threshold={threshold}")
+    for entry in (first, second):
+        # bf16 keeps 8 bits of mantissa: log-prob differences of order 1e-3, not 1e-7
+        assert entry["rollout/logprob_abs_diff"] > 1e-4
+        assert entry["rollout/mismatch_kl_k3"] > 0
+        assert 0 < entry["rollout/correction_token_frac"] < 1
+        assert entry["rollout/correction_weight_max"] == pytest.approx(threshold, rel=1e-6)
+        assert entry["rollout/correction_weight_min"] < 1
