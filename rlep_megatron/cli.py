@@ -3,8 +3,9 @@
 Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrides and runs under
 ``torchrun`` or alone as one rank. Subcommands:
 
-* ``rlep config [--config F] [overrides...] [--keys]``: validate a recipe and print the resolved
-  configuration as YAML (``--keys`` lists every valid ``section.key``).
+* ``rlep config [--config F] [overrides...] [--keys | --reference]``: validate a recipe and
+  print the resolved configuration as YAML (``--keys`` lists every valid ``section.key``,
+  ``--reference`` documents each: type, default, meaning).
 * ``rlep train --config F [overrides...]``: the RL loop (baseline DAPO/GRPO, or RLEP when
   ``replay.num_replays_per_prompt`` > 0); resumes from ``checkpoint.resume``.
 * ``rlep collect --config F [overrides...]``: the experience pool from ``collect.checkpoint``.
@@ -37,6 +38,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         print("\n".join(config_lib.valid_keys()))
+        return 0
+    if args.reference:
+        print(config_lib.config_reference())
         return 0
     cfg = config_lib.load_config(args.config, args.overrides)
     print(yaml.safe_dump(config_lib.config_to_dict(cfg), sort_keys=False), end="")
@@ -82,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_config = sub.add_parser("config", help="validate a recipe and print the resolved config")
     _add_common(p_config)
     p_config.add_argument("--keys", action="store_true", help="list every valid section.key")
+    p_config.add_argument("--reference", action="store_true",
+                          help="print every key with its type, default and documentation")
     p_config.set_defaults(func=_cmd_config)
     p_train = sub.add_parser("train", help="run RL training (baseline or RLEP)")
     _add_common(p_train)

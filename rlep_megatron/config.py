@@ -134,8 +134,8 @@ class ReplayConfig:
     clip_ratio_high: Optional[float] = None
     """eps_high for replayed responses instead of ``algo.clip_ratio_high``: replays come from
     an older policy, so their importance ratio can be capped separately (a smaller value
-    limits how far one step moves towards a replayed answer). null (default, the paper's
-    recipe) treats replays like fresh responses."""
+    limits how far one step moves towards a replayed answer). Not part of the RLEP paper:
+    null (default, the paper's recipe) treats replays like fresh responses."""
 
     def __post_init__(self):
         if self.num_replays_per_prompt < 0:
@@ -201,12 +201,17 @@ class AlgoConfig:
     the weights are in CPU memory anyway)."""
     rollout_correction: Literal["off", "truncate", "mask"] = "off"
     """Correct for the rollout engine / actor probability gap on fresh tokens
-    (:mod:`rlep_megatron.algo.correction`): ``truncate`` weights each token's loss by
-    min(rho, C) (TIS), ``mask`` drops tokens or sequences whose rho is outside [1/C, C]
-    (masked IS), where rho = pi_old / pi_rollout. Replays are never corrected."""
+    (:mod:`rlep_megatron.algo.correction`), rho = pi_old / pi_rollout: ``truncate`` weights
+    each token's loss by min(rho, C) (truncated importance sampling, Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"); ``mask`` drops tokens
+    or sequences whose rho is outside [1/C, C] (masked importance sampling, Liu et al. 2025,
+    "When speed kills stability"; verl's rollout correction offers both). Replays have no
+    engine log-probs and are never corrected. Off: the metrics ``rollout/mismatch_kl_*``
+    still measure the gap."""
     rollout_correction_level: Literal["token", "sequence", "geometric"] = "token"
-    """Where rho is taken: per token, per sequence (product over its tokens) or the sequence's
-    geometric mean."""
+    """Where rho is taken: per ``token``, per ``sequence`` (the product over its tokens, the
+    exact sequence-level ratio) or the sequence's ``geometric`` mean (stays near 1 for long
+    responses; the "geo-mask" of Liu et al. 2025 with ``mask``)."""
     rollout_correction_threshold: float = 2.0
     """C of the rollout correction (> 1)."""
     entropy_coef: float = 0.0
@@ -405,6 +410,44 @@ def valid_keys() -> list[str]:
     for section, cls in _section_types().items():
         keys.extend(f"{section}.{f.name}" for f in dataclasses.fields(cls))
     return sorted(keys)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass (read from the source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def config_reference() -> str:
+    """Every ``section.key`` with its type, default and documentation, as Markdown
+    (``rlep config --reference``)."""
+    lines = ["# rlep configuration reference", "",
+             "Generated from `rlep_megatron/config.py` by `rlep config --reference`.", ""]
+    defaults = config_to_dict(RunConfig())
+    for section, cls in _section_types().items():
+        lines += [f"## {section}", ""]
+        hints = typing.get_type_hints(cls)
+        docs = _field_docs(cls)
+        for f in dataclasses.fields(cls):
+            kind = str(hints[f.name]).replace("typing.", "")
+            if kind.startswith("<class"):
+                kind = hints[f.name].__name__
+            lines.append(f"- `{section}.{f.name}` ({kind}, default "
+                         f"`{defaults[section][f.name]!r}`): {docs.get(f.name, '')}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:

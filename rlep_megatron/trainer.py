@@ -6,7 +6,8 @@ One training step, one named and timed call per phase:
     replay       M pool answers appended to each group that has a pool (G' = G + M)
     reward       every response scored (replays too) + overlong shaping
     advantage    per group over G' (mean / unbiased std + eps)
-    old_logprob  the actor recomputes log-probs of every response (and the parity probe)
+    old_logprob  the actor recomputes log-probs of every response (the reference policy too,
+                 with a KL term); engine/actor gap, rollout-correction weights, replay NLL
     train        one epoch of mini-batch updates (on GPU the engine sleeps during these two)
     weight_sync  the new weights streamed into the engine
     validate     every ``trainer.validation_interval_steps``

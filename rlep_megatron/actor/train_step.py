@@ -191,22 +191,24 @@ def _reduce_metrics(outputs: list[dict], is_last_stage: bool,
     token_means = _TOKEN_MEANS + (_KL_MEANS if with_kl else ())
     keys = _SUMMED + token_means
     sums = torch.zeros(len(keys), dtype=torch.float64)
-    ratio_max = torch.zeros(1, dtype=torch.float64)
+    max_keys = tuple(f"ratio_max{suffix}" for suffix in _SPLITS)
+    ratio_max = torch.zeros(len(max_keys), dtype=torch.float64)
     if is_last_stage:
         for out in outputs:
             for i, key in enumerate(keys):
                 weight = 1.0 if key in _SUMMED else out.get(_token_count_key(key), 0.0)
                 sums[i] += out.get(key, 0.0) * weight
-            ratio_max[0] = max(float(ratio_max[0]), out.get("ratio_max", 0.0))
+            for i, key in enumerate(max_keys):
+                ratio_max[i] = max(float(ratio_max[i]), out.get(key, 0.0))
     dp_group = ps.get_data_parallel_group()
     torch.distributed.all_reduce(sums, group=dp_group)
     torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX, group=dp_group)
     packed = torch.cat([sums, ratio_max])
     torch.distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
-    values = dict(zip(keys, packed[:-1].tolist()))
+    values = dict(zip(keys, packed[:len(keys)].tolist()))
     result = {key: values[key] / max(values[_token_count_key(key)], 1.0) for key in token_means}
     result.update(pg_loss=values["pg_loss"], kl=values["kl"], num_tokens=values["num_tokens"],
                   entropy=values["entropy_sum"] / max(values["num_tokens"], 1.0),
-                  ratio_max=float(packed[-1]))
+                  **dict(zip(max_keys, packed[len(keys):].tolist())))
     return result

@@ -72,6 +72,7 @@ def test_kl_with_pipeline_parallel_resumes_bit_for_bit(tiny_qwen2_dir, task, poo
         assert entry["replay/answers_replayed_frac"] <= entry["replay/times_replayed_mean"]
         assert entry["train/old_nll_mean/replay"] > 0 and entry["train/old_nll_mean/fresh"] > 0
         assert entry["train/old_nll_max/replay"] >= entry["train/old_nll_mean/replay"]
+        assert entry["train/ratio_max/replay"] >= entry["train/ratio_mean/replay"] > 0
 
 
 def test_rollout_correction_in_fp32_leaves_the_update_unchanged(tiny_qwen2_dir, task, pool,

@@ -138,3 +138,19 @@ def test_cli_config_prints_resolved_recipe(tmp_path, capsys):
     assert printed["trainer"]["seed"] == 9 and printed["replay"]["num_replays_per_prompt"] == 2
     assert main(["config", "trainer.sed=9"]) == 2
     assert "trainer.seed" in capsys.readouterr().err
+
+
+def test_every_key_is_documented_and_the_committed_reference_is_current():
+    import os
+
+    reference = config_lib.config_reference()
+    for section, cls in config_lib._section_types().items():
+        docs = config_lib._field_docs(cls)
+        for field in dataclasses.fields(cls):
+            assert docs.get(field.name), f"{section}.{field.name} has no docstring"
+            assert f"`{section}.{field.name}`" in reference
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "CONFIG.md")
+    with open(path) as f:
+        assert f.read() == reference + "\n", (
+            "docs/CONFIG.md is stale: regenerate it with `rlep config --reference > "
+            "docs/CONFIG.md`")
