@@ -22,7 +22,8 @@ import sys
 import yaml
 
 from rlep_megatron import config as config_lib
-from rlep_megatron.distributed import setup_logging
+from rlep_megatron.distributed import (exit_now_if_multi_rank, get_rank, in_multi_rank_job,
+                                       setup_logging)
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand. In a job of several ranks, a failure on any rank ends that process at
+    once with its error printed (no clean-up that waits for the other ranks, which may be
+    blocked in a collective): torchrun then stops the other ranks, and ranks launched
+    otherwise see their peer's connection close and fail the same way."""
     args = build_parser().parse_args(argv)
     setup_logging(log_all_ranks=getattr(args, "log_all_ranks", False))
     try:
@@ -120,7 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         logger.error("%s", err)
         print(f"rlep {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
+    except KeyboardInterrupt:
+        logger.error("rlep %s interrupted on rank %d", args.command, get_rank())
+        code = 130
+    except Exception:
+        if not in_multi_rank_job():
+            raise
+        logger.exception("rlep %s failed on rank %d", args.command, get_rank())
+        code = 1
+    exit_now_if_multi_rank(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -161,6 +161,23 @@ def get_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def in_multi_rank_job() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def exit_now_if_multi_rank(code: int) -> None:
+    """After a failure in a job of several ranks: flush the logs and end this process with
+    ``code`` at once. Python's normal exit would run clean-ups that wait on the other ranks
+    (the process group's destructor, vLLM's shutdown), which may be blocked in a collective
+    that this rank will never join; a single-rank run returns normally."""
+    if not in_multi_rank_job():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def is_rank0() -> bool:
     return get_rank() == 0
 

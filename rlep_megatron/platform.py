@@ -545,7 +545,42 @@ def vllm_cpu_engine_settings(max_model_len: int) -> dict:
         return {}
     import os
 
+    remove_stale_vllm_cpu_shm()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return {"gpu_memory_utilization": 0.2, "enforce_eager": True,
             "enable_chunked_prefill": False,
             "max_num_batched_tokens": max(int(max_model_len), 8192)}
+
+
+def remove_stale_vllm_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the shared-memory files of vLLM's CPU tensor-parallel communicator that no live
+    process maps. vLLM names them by the ranks of the group only (``...-[0-1]-cpushm_0``), and
+    creates them exclusively: a job that was killed (or failed fast) leaves them behind and the
+    next job with the same layout fails with "create shm in SHMManager failed. errno: 17".
+    Files a running job has mapped are kept. Returns the removed paths."""
+    import glob
+    import os
+
+    candidates = glob.glob(os.path.join(glob.escape(shm_dir), "*cpushm*"))
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f if "cpushm" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    removed = []
+    for path in candidates:
+        if path not in mapped:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass  # another rank of this job removed it
+    if removed:
+        logger.warning("removed %d stale vLLM CPU shared-memory file(s) of an earlier job: %s",
+                       len(removed), ", ".join(sorted(removed)))
+    return removed
+

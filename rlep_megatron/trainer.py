@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from rlep_megatron import distributed
+from rlep_megatron import distributed, faults
 from rlep_megatron.config import RunConfig, dump_config
 
 logger = logging.getLogger(__name__)
@@ -64,13 +64,15 @@ class StepBatch:
 
 
 class Timer:
-    """``with timer.phase("rollout"): ...`` records ``timing/rollout_s``."""
+    """``with timer.phase("rollout"): ...`` records ``timing/rollout_s`` (and is where
+    ``RLEP_FAULT_INJECT`` strikes, :mod:`rlep_megatron.faults`)."""
 
     def __init__(self):
         self.values: dict[str, float] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        faults.check(name, distributed.get_rank())
         start = time.perf_counter()
         try:
             yield
@@ -89,6 +91,7 @@ class Trainer:
         from rlep_megatron.checkpoint.hf_io import load_hf_config
 
         self.cfg = cfg
+        faults.target()  # a malformed RLEP_FAULT_INJECT fails here, not mid-run
         if not cfg.model.hf_dir:
             raise ValueError("model.hf_dir is required: the HF checkpoint directory the run "
                              "starts from (config.json, tokenizer, weights)")
@@ -527,24 +530,23 @@ class Trainer:
         self.weight_sync()  # the engine starts with dummy weights
         interval = cfg.trainer.validation_interval_steps
         if self.val_rows is not None and interval and not resumed:
-            self._log(self.step, self._timed_validate())
+            timer = Timer()
+            with timer.phase("validate"):
+                values = self.validate()
+            self._log(self.step, {**values, **timer.values})
         for _ in progress(range(self.step, cfg.trainer.total_steps), desc="train",
                           total=cfg.trainer.total_steps - self.step):
             metrics = self.train_step()
+            timer = Timer()
             if self.val_rows is not None and interval and self.step % interval == 0:
-                metrics.update(self._timed_validate())
+                with timer.phase("validate"):
+                    metrics.update(self.validate())
             save_every = cfg.checkpoint.save_interval_steps
             if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.total_steps:
-                start = time.perf_counter()
-                self.checkpoints.save(self)
-                metrics["timing/checkpoint_s"] = time.perf_counter() - start
+                with timer.phase("checkpoint"):
+                    self.checkpoints.save(self)
+            metrics.update(timer.values)
             self._log(self.step, metrics)
-
-    def _timed_validate(self) -> dict[str, float]:
-        start = time.perf_counter()
-        values = self.validate()
-        values["timing/validate_s"] = time.perf_counter() - start
-        return values
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.metrics is not None:
@@ -554,10 +556,15 @@ class Trainer:
                               "timing/step_s") or k.startswith("val/") and "mean@" in k}
             logger.info("step %d: %s", step, short)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Release the run's resources. After a failure only this process's own (metrics
+        file, scorer workers): the other ranks may be anywhere, so no collective is entered
+        (the caller then ends the process, see ``cli.main``)."""
         if self.metrics is not None:
             self.metrics.close()
         self.scorer.close()
+        if failed:
+            return
         torch.distributed.barrier()
         self.engine.shutdown()
 
@@ -568,10 +575,8 @@ def run_train(cfg: RunConfig) -> str:
     try:
         trainer.run()
     except BaseException:
-        # printed here, on the failing rank, before the clean-up below (which synchronises)
-        logger.exception("training failed on rank %d", torch.distributed.get_rank())
+        trainer.close(failed=True)
         raise
-    finally:
-        trainer.close()
+    trainer.close()
     distributed.destroy()
     return cfg.trainer.output_dir

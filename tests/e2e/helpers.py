@@ -49,13 +49,14 @@ def train_overrides(model_dir: str, task: dict[str, str], out: str, steps: int) 
 
 
 def run_rlep(args: list[str], nproc: int = 1, timeout_s: float = 900,
-             check: bool = True) -> subprocess.CompletedProcess:
+             check: bool = True, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess:
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", "-m", "rlep_megatron.cli", *args]
     else:
         command = [sys.executable, "-m", "rlep_megatron.cli", *args]
-    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(None), capture_output=True,
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(env), capture_output=True,
                           text=True, timeout=timeout_s)
     if check and proc.returncode != 0:
         raise AssertionError(f"rlep {args[0]} failed ({proc.returncode}):\n"

@@ -1,0 +1,56 @@
+"""A failure on one rank ends the whole job: with ``RLEP_FAULT_INJECT=<phase>:<rank>`` a 2-rank
+``rlep train`` exits non-zero within 60 s (start-up included) and prints the injected error,
+whichever phase fails and whatever the other rank is blocked in (a pipeline peer waiting in
+``recv_backward``, a data-parallel peer in an all-reduce, a checkpoint barrier). The next job
+with the same layout starts cleanly (no stale vLLM shared memory)."""
+import time
+
+import pytest
+
+from tests.e2e.helpers import read_jsonl, recipe, run_rlep, small_task, train_overrides
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return small_task(str(tmp_path_factory.mktemp("task")))
+
+
+@pytest.mark.parametrize("phase, rank, layout", [
+    ("rollout", 0, ["rollout.tensor_model_parallel_size=2"]),
+    ("old_logprob", 1, ["parallel.tensor_model_parallel_size=2"]),
+    # the last pipeline stage fails; the first waits in recv_backward
+    ("train", 1, ["parallel.pipeline_model_parallel_size=2"]),
+    ("checkpoint", 1, []),
+])
+def test_a_failing_rank_ends_the_job(tiny_qwen2_dir, task, tmp_path, phase, rank, layout):
+    out = tmp_path / "run"
+    start = time.monotonic()
+    proc = run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                     *train_overrides(tiny_qwen2_dir, task, str(out), steps=2),
+                     "trainer.validation_interval_steps=0", *layout],
+                    nproc=2, timeout_s=120, check=False,
+                    env={"RLEP_FAULT_INJECT": f"{phase}:{rank}"})
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"injected failure in phase '{phase}' on rank {rank}" in output, output[-3000:]
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to end"
+    if phase == "checkpoint":
+        # the step before the failed save was logged; nothing half-written was left behind
+        assert [e["step"] for e in read_jsonl(out / "metrics.jsonl")] == [1]
+        assert not (out / "checkpoints" / "step_00000002").exists()
+    if phase == "rollout":
+        # the killed rollout replica's shared memory does not block the next job
+        run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "again"), steps=1),
+                  "trainer.validation_interval_steps=0", *layout], nproc=2)
+
+
+def test_a_malformed_fault_setting_is_refused(tiny_qwen2_dir, task, tmp_path):
+    proc = run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                     *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), steps=1)],
+                    check=False, env={"RLEP_FAULT_INJECT": "training:0"})
+    assert proc.returncode == 2
+    assert "RLEP_FAULT_INJECT='training:0'" in proc.stderr
