@@ -57,10 +57,9 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
     from rlep_megatron.data.prompts import tokenize_prompt
     from rlep_megatron.data.schema import read_prompt_files
     from rlep_megatron.replay.writer import pool_rows, write_pool
-    from rlep_megatron.reward import make_scorer_pool
     from rlep_megatron.distributed import map_across_ranks
     from rlep_megatron.reward.pool import ScoreRequest
-    from rlep_megatron.rollout.loading import checkpoint_kind, open_engine
+    from rlep_megatron.rollout.loading import checkpoint_kind, engine_and_scorer
 
     c = cfg.collect
     rows = read_prompt_files(cfg.data.train_files, deduplicate=True)
@@ -72,11 +71,8 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
     shard_dir = out + ".shards"
     signature = _job_signature(cfg, checkpoint, rows)
     shards = _shard_ranges(len(rows), c.num_shards)
-    engine = open_engine(cfg, checkpoint, cfg.data.max_prompt_tokens
-                         + cfg.rollout.max_response_tokens, cfg.trainer.seed)
-    scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers, cfg.reward.timeout_s)
-    rank0 = distributed.is_rank0()
-    try:
+    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed) as (engine, scorer):
+        rank0 = distributed.is_rank0()
         if rank0:
             os.makedirs(shard_dir, exist_ok=True)
             job_file = os.path.join(shard_dir, "job.json")
@@ -150,9 +146,4 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
             shutil.rmtree(shard_dir, ignore_errors=True)
             logger.info("wrote pool %s: %s", out, stats)
         torch.distributed.barrier()
-        return out
-    finally:
-        scorer.close()
-        torch.distributed.barrier()
-        engine.shutdown()
-        distributed.destroy()
+    return out

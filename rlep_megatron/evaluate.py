@@ -93,10 +93,13 @@ def format_table(report: dict[str, dict[str, float]]) -> str:
 
 
 def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: float,
-                    max_tokens: int, max_prompt_tokens: int, seed: int
-                    ) -> dict[str, dict[str, float]]:
+                    max_tokens: int, max_prompt_tokens: int, seed: int,
+                    samples: list | None = None) -> dict[str, dict[str, float]]:
     """Sample ``k`` answers per question of ``rows`` with the rollout engine, score them
-    (split over ranks, hard timeouts) and report per ``data_source``. Collective."""
+    (split over ranks, hard timeouts) and report per ``data_source``. Collective.
+
+    ``samples``, when given, receives one record per question: ``data_source``,
+    ``ground_truth``, the ``responses`` texts and their ``acc`` and ``pred``."""
     from rlep_megatron.data.prompts import tokenize_prompt
     from rlep_megatron.distributed import map_across_ranks
     from rlep_megatron.reward.pool import ScoreRequest
@@ -114,21 +117,24 @@ def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: flo
         scored = [next(results) for _ in responses]
         questions.append(QuestionSamples(rows.data_source[row], [bool(s["acc"]) for s in scored],
                                          [str(s["pred"]) for s in scored]))
+        if samples is not None:
+            samples.append({"data_source": rows.data_source[row],
+                            "ground_truth": rows.ground_truth[row],
+                            "responses": [r.text for r in responses],
+                            "acc": list(questions[-1].correct), "pred": list(questions[-1].preds)})
     return evaluate_samples(questions, k)
 
 
 def run_eval(cfg) -> dict[str, dict[str, float]]:
-    """``rlep eval``: a checkpoint on the eval files; writes the JSON report (rank 0) and
-    prints the table. Returns the report."""
+    """``rlep eval``: a checkpoint on the eval files; writes the JSON report with every sample
+    (texts, correctness, extracted answers) (rank 0) and prints the table. Returns the
+    report."""
     import json
     import os
 
-    import torch
-
     from rlep_megatron import distributed
     from rlep_megatron.data.schema import read_prompt_files
-    from rlep_megatron.reward import make_scorer_pool
-    from rlep_megatron.rollout.loading import checkpoint_kind, open_engine
+    from rlep_megatron.rollout.loading import checkpoint_kind, engine_and_scorer
 
     files = cfg.eval.files or cfg.data.val_files
     if not files:
@@ -137,25 +143,19 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
     checkpoint = cfg.eval.checkpoint or cfg.model.hf_dir
     checkpoint_kind(checkpoint)
     out = cfg.eval.output_file or os.path.join(cfg.trainer.output_dir, "eval.json")
-    engine = open_engine(cfg, checkpoint, cfg.data.max_prompt_tokens
-                         + cfg.rollout.max_response_tokens, cfg.trainer.seed)
-    scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers, cfg.reward.timeout_s)
-    try:
+    samples: list[dict] = []
+    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed) as (engine, scorer):
         report = evaluate_policy(engine, scorer, rows, cfg.eval.num_samples_per_prompt,
                                  cfg.eval.temperature, cfg.eval.top_p,
                                  cfg.rollout.max_response_tokens, cfg.data.max_prompt_tokens,
-                                 cfg.trainer.seed + 7_777_777)
+                                 cfg.trainer.seed + 7_777_777, samples=samples)
         if distributed.is_rank0():
             from rlep_megatron.checkpoint.staging import write_file_atomic
 
             write_file_atomic(out, json.dumps({"checkpoint": checkpoint, "files": list(files),
                                                "k": cfg.eval.num_samples_per_prompt,
-                                               "report": report}, indent=1))
+                                               "report": report, "samples": samples},
+                                              indent=1))
             print(format_table(report))
             print(f"wrote {out}")
-    finally:
-        scorer.close()
-        torch.distributed.barrier()
-        engine.shutdown()
-        distributed.destroy()
     return report

@@ -81,6 +81,17 @@ class Timer:
                                                + time.perf_counter() - start)
 
 
+def mini_batch_plan(num_sequences: int, cfg: RunConfig) -> list[list[int]]:
+    """Sequence indices of each optimizer mini-batch of a step (in order; the last may be
+    short). ``trainer.mini_batch_unit=prompts`` counts ``mini_batch_size x G`` sequences per
+    mini-batch (G fresh samples, replays not counted: the reference's rule, so an RLEP step
+    with G + M sequences per prompt takes more optimizer steps)."""
+    trainer = cfg.trainer
+    per = (trainer.mini_batch_size * cfg.rollout.num_samples_per_prompt
+           if trainer.mini_batch_unit == "prompts" else trainer.mini_batch_size)
+    return [list(range(i, min(i + per, num_sequences))) for i in range(0, num_sequences, per)]
+
+
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
@@ -321,12 +332,7 @@ class Trainer:
         return (self.cfg.trainer.seed * 1_000_003 + self.step) * 101 + round_index
 
     def mini_batches(self, batch: StepBatch) -> list[list[int]]:
-        """Sequence indices of each optimizer mini-batch (in order; the last may be short)."""
-        cfg = self.cfg.trainer
-        per = (cfg.mini_batch_size * self.cfg.rollout.num_samples_per_prompt
-               if cfg.mini_batch_unit == "prompts" else cfg.mini_batch_size)
-        n = len(batch.sequences)
-        return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
+        return mini_batch_plan(len(batch.sequences), self.cfg)
 
     def _train_batch(self, batch: StepBatch, indices: list[int]):
         """This DP rank's slice of a mini-batch, with old log-probs from the current actor (and
@@ -411,6 +417,7 @@ class Trainer:
         metrics = {
             "rollout/logprob_abs_diff": (sums["parity"] / sums["parity_tokens"]
                                          if sums["parity_tokens"] > 0 else 0.0),
+            "rollout/logprob_compared_tokens": sums["parity_tokens"],
             "rollout/mismatch_kl_k1": sums["mismatch_k1"] / rollout_tokens,
             "rollout/mismatch_kl_k3": sums["mismatch_k3"] / rollout_tokens,
             "train/old_nll_mean/fresh": sums["nll_fresh"] / max(sums["tokens_fresh"], 1.0),

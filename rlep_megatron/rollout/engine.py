@@ -51,12 +51,20 @@ class Response:
         return len(self.token_ids)
 
 
+_SEED_SPAN = 2 ** 30
+
+
 def request_seed(seed: int, prompt_index: int, n: int) -> int:
-    """Seed of one request. vLLM seeds the ``n`` samples of a request with ``seed + j``, so
-    request seeds are hashed from ``(seed, prompt index)`` and spaced ``n`` apart; the same
-    seed reproduces a batch, different prompts (and so different ranks) sample differently."""
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2 ** 31 - n)
+    """Seed of one request. vLLM seeds the ``n`` samples of a request with ``seed + j``, so the
+    requests of one call get consecutive blocks of ``n`` seeds from a base hashed from
+    ``seed``: ``base + prompt_index x n``. No two requests of a call share a seed (by
+    construction, for up to 2^30 / n prompts), the same seed reproduces a batch, and
+    different calls (steps) start from unrelated bases."""
+    if (prompt_index + 1) * n > _SEED_SPAN:
+        raise ValueError(f"request {prompt_index} with n={n} samples leaves the seed range; "
+                         f"at most {_SEED_SPAN // n} prompts per generate call")
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _SEED_SPAN + prompt_index * n
 
 
 class RolloutEngine:

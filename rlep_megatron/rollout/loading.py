@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -40,6 +41,32 @@ def open_engine(cfg, checkpoint: str, max_model_len: int, seed: int):
         return RolloutEngine(checkpoint, cfg.rollout, dtype=_dtype_name(cfg), seed=seed,
                              max_model_len=max_model_len)
     return _engine_from_training_checkpoint(cfg, checkpoint, max_model_len, seed)
+
+
+@contextlib.contextmanager
+def engine_and_scorer(cfg, checkpoint: str, seed: int):
+    """``with engine_and_scorer(cfg, checkpoint, seed) as (engine, scorer):`` the engine of
+    :func:`open_engine` (prompt + response budget of ``cfg``) and a scorer pool, for the jobs
+    that only sample and score (``rlep collect``, ``rlep eval``). A normal exit shuts both down
+    together with the process group; after an exception only this process's scorer workers are
+    stopped: the other ranks may be blocked in a collective, so no collective is entered (the
+    CLI then ends the process)."""
+    from rlep_megatron.reward import make_scorer_pool
+
+    engine = open_engine(cfg, checkpoint, cfg.data.max_prompt_tokens
+                         + cfg.rollout.max_response_tokens, seed)
+    scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers, cfg.reward.timeout_s)
+    try:
+        yield engine, scorer
+    except BaseException:
+        scorer.close()
+        raise
+    import torch
+
+    scorer.close()
+    torch.distributed.barrier()
+    engine.shutdown()
+    distributed.destroy()
 
 
 def _dtype_name(cfg) -> str:

@@ -53,6 +53,8 @@ def main():
     parser.add_argument("--micro-batch-max-tokens", type=int, default=40)
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="megatron's distributed optimizer (optimizer state sharded over DP)")
+    parser.add_argument("--adam-eps", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     ctx = distributed.init_model_parallel(
@@ -62,8 +64,11 @@ def main():
     chunks, info = build_from_hf(args.hf_dir, "float32", recompute_activations=args.recompute)
     # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise
     # amplify 1e-9 differences in near-zero gradients to O(lr)
-    optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=0.1, clip_grad=1.0,
-                            adam_eps=1e-3, use_distributed_optimizer=args.distributed_optimizer)
+    # (the comparison with the transformers reference takes a realistic eps and a weight decay
+    # large enough to show on the 0.02-scale matrices; see test_actor_train_step)
+    optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=args.weight_decay,
+                            clip_grad=1.0, adam_eps=args.adam_eps,
+                            use_distributed_optimizer=args.distributed_optimizer)
     chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
     optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
 

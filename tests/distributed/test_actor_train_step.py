@@ -19,7 +19,7 @@ def train(hf_dir, nproc, tp, pp, out, *extra):
     return torch.load(out)
 
 
-def reference_step(hf_dir, old_logp):
+def reference_step(hf_dir, old_logp, eps=1e-3, weight_decay=0.1):
     """The RLEP step written directly against transformers: token-mean clipped loss over the
     whole batch, grad clip 1.0, AdamW with weight decay on every parameter (one parameter
     group, as the reference implementation's optimizer does)."""
@@ -34,8 +34,8 @@ def reference_step(hf_dir, old_logp):
     loss, _ = policy_loss(logp, old_logp, advantages, response_mask, 0.2, 0.28, 10.0)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-3,
-                                  weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=eps,
+                                  weight_decay=weight_decay)
     optimizer.step()
     return {n: p.detach() for n, p in model.state_dict().items()}, loss.item()
 
@@ -49,10 +49,24 @@ def test_train_step_parity_across_layouts_and_against_transformers(arch, request
     assert update > 5e-4  # the step really moved the weights (lr 1e-3)
     assert single["metrics"]["step_applied"] == 1.0 and single["metrics"]["num_micro_batches"] > 1
 
-    reference, reference_loss = reference_step(hf_dir, single["old_logp"])
-    assert single["metrics"]["pg_loss"] == pytest.approx(reference_loss, abs=1e-5)
-    for name, tensor in single["weights"].items():
+    # against transformers + torch AdamW with Adam's eps at 1e-6, far below the gradients, so
+    # the normalisation shows (each element moves by about lr = 1e-3, not lr x g / eps), and
+    # weight decay 1.0 (it moves a 0.02-scale matrix element by lr x 1.0 x 0.02 = 2e-5, ten
+    # times the tolerance). The two implementations' gradients differ by float noise of about
+    # 1e-10 (summation order); Adam's step amplifies it by lr / eps: 1e-7 here (measured
+    # <= 6.3e-7), 1e-5 at eps = 1e-8 (measured on a few elements near zero gradient).
+    realistic = train(hf_dir, 1, 1, 1, tmp_path / "realistic.pt", "--adam-eps", "1e-6",
+                      "--weight-decay", "1.0")
+    reference, reference_loss = reference_step(hf_dir, realistic["old_logp"], eps=1e-6,
+                                               weight_decay=1.0)
+    assert realistic["metrics"]["pg_loss"] == pytest.approx(reference_loss, abs=1e-5)
+    for name, tensor in realistic["weights"].items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-6, msg=name)
+    moved = min((realistic["weights"][k] - initial[k]).abs().float().mean().item()
+                for k in initial if initial[k].dim() == 2 and ".layers." in k)
+    # Adam's normalised step: about lr for most elements of every layer's matrices (the
+    # embedding's rows of tokens absent from the batch get gradients near eps)
+    assert moved > 5e-4
 
     for nproc, tp, pp in ((4, 2, 2), (2, 1, 1)):  # TP2xPP2; DP=2 over the same global batch
         other = train(hf_dir, nproc, tp, pp, tmp_path / f"{nproc}-{tp}-{pp}.pt")

@@ -23,8 +23,9 @@ def small_task(directory: str) -> dict[str, str]:
     return make_tiny_task(directory, seed=0, num_train=48, num_val=8, max_operand=20)
 
 
-def reference_pool(task: dict[str, str], path: str) -> str:
-    """A pool whose candidates are two correct solutions per training question."""
+def reference_pool(task: dict[str, str], path: str, wrong_second: bool = False) -> str:
+    """A pool whose candidates are two correct solutions per training question; with
+    ``wrong_second`` the second states a wrong answer (the trainer must re-score replays)."""
     rows = read_prompt_file(task["train"])
     solutions = {}
     for line in open(task["solutions"]):
@@ -32,7 +33,8 @@ def reference_pool(task: dict[str, str], path: str) -> str:
         solutions[item["question"]] = item["solution"]
     candidates = []
     for messages, truth in zip(rows.messages, rows.ground_truth):
-        candidates.append([solutions[messages[0]["content"]], f"Answer: {truth}"])
+        second = f"Answer: {int(truth) + 1}" if wrong_second else f"Answer: {truth}"
+        candidates.append([solutions[messages[0]["content"]], second])
     write_pool(pool_rows(rows, candidates, min_correct=2), path)
     return path
 

@@ -28,7 +28,9 @@ def task(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pool(task, tmp_path_factory):
-    return reference_pool(task, str(tmp_path_factory.mktemp("pool") / "pool.parquet"))
+    # one correct and one wrong answer per question: replays are re-scored, not trusted
+    return reference_pool(task, str(tmp_path_factory.mktemp("pool") / "pool.parquet"),
+                          wrong_second=True)
 
 
 def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
@@ -47,9 +49,14 @@ def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
         # every training prompt has a pool: M of the G + M responses of each group are replays
         assert entry["replay/fraction"] == pytest.approx(M / (G + M), abs=1e-12)
         assert entry["replay/num_sequences"] == 4 * M
-        # replays are re-scored (not assumed correct) and the reference solutions pass
-        assert entry["replay/acc_mean"] == 1.0
+        # replays are re-scored (not assumed correct): each group replays its question's
+        # correct and wrong answer (M = 2 = the pool size)
+        assert entry["replay/acc_mean"] == 0.5
+        assert entry["replay/reward_mean"] == 0.0  # +1 and -1, both far below the overlong zone
+        # the engine and the actor agree on every fresh token (fp32, same weights)
         assert entry["rollout/logprob_abs_diff"] <= 1e-4
+        assert entry["rollout/logprob_compared_tokens"] == entry[
+            "rollout/response_len_mean"] * 4 * G
         # RLEP takes more optimizer steps than the G-only count: 4 x 6 sequences / (2 x 4)
         assert entry["train/num_optimizer_steps"] == 3
     assert "val/tiny_arith/mean@2" in entries[2]

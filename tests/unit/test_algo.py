@@ -144,9 +144,11 @@ def test_reference_micro_batch_mode_weights_by_sequences():
         loss, _ = policy_loss(torch.tensor(logp[rows]), torch.tensor(old_logp[rows]),
                               torch.tensor(adv[rows]), torch.tensor(mask[rows]),
                               loss_agg_mode="reference_micro_batch_mean", global_num_sequences=6)
-        local, _ = policy_loss(torch.tensor(logp[rows]), torch.tensor(old_logp[rows]),
-                               torch.tensor(adv[rows]), torch.tensor(mask[rows]))
-        expected += local.item() * (rows.stop - rows.start) / 6
+        # the micro-batch's own token mean, token by token from eq. 3
+        tokens = [reference_token_loss(logp[i, t], old_logp[i, t], adv[i], 0.2, 0.28, 10.0)
+                  for i in range(rows.start, rows.stop) for t in range(logp.shape[1])
+                  if mask[i, t]]
+        expected += sum(tokens) / len(tokens) * (rows.stop - rows.start) / 6
         parts.append(loss.item())
     assert sum(parts) == pytest.approx(expected, rel=1e-12)
     exact, _ = policy_loss(torch.tensor(logp), torch.tensor(old_logp), torch.tensor(adv),
@@ -159,11 +161,20 @@ def test_fresh_and_replay_splits():
     is_replay = torch.tensor([False, False, False, False, True, True])
     _, m = policy_loss(torch.tensor(logp), torch.tensor(old_logp), torch.tensor(adv),
                        torch.tensor(mask), is_replay=is_replay)
-    _, m_fresh = policy_loss(*(torch.tensor(x[:4]) for x in (logp, old_logp, adv, mask)))
-    _, m_replay = policy_loss(*(torch.tensor(x[4:]) for x in (logp, old_logp, adv, mask)))
-    for key in ("pg_clipfrac", "ratio_mean", "ratio_max", "approx_kl", "num_tokens"):
-        assert m[f"{key}/fresh"] == pytest.approx(m_fresh[key], rel=1e-12)
-        assert m[f"{key}/replay"] == pytest.approx(m_replay[key], rel=1e-12)
+    ratio = np.exp(logp - old_logp)
+    for suffix, rows in (("/fresh", slice(0, 4)), ("/replay", slice(4, 6))):
+        # each split from the definitions, over its own valid tokens only
+        valid = mask[rows] > 0
+        r = ratio[rows][valid]
+        a = np.broadcast_to(adv[rows, None], mask[rows].shape)[valid]
+        clipped = np.clip(r, 0.8, 1.28)
+        assert m[f"num_tokens{suffix}"] == valid.sum()
+        assert m[f"ratio_mean{suffix}"] == pytest.approx(r.mean(), rel=1e-12)
+        assert m[f"ratio_max{suffix}"] == pytest.approx(r.max(), rel=1e-12)
+        assert m[f"approx_kl{suffix}"] == pytest.approx(
+            (old_logp - logp)[rows][valid].mean(), rel=1e-9)
+        assert m[f"pg_clipfrac{suffix}"] == pytest.approx(
+            np.mean(-a * clipped > -a * r), rel=1e-12)
     assert m["num_tokens"] == m["num_tokens/fresh"] + m["num_tokens/replay"]
 
 

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from rlep_megatron.config import load_config
+from rlep_megatron.trainer import mini_batch_plan
 from tests.torchrun import REPO_ROOT
 
 pytestmark = pytest.mark.unit
@@ -30,9 +31,10 @@ def test_paper_recipes(name, dynamic, mini_batch, replays, steps_per_step):
     assert cfg.data.train_batch_size == 512 and cfg.rollout.num_samples_per_prompt == 16
     assert cfg.replay.num_replays_per_prompt == replays
     assert (cfg.trainer.mini_batch_size, cfg.trainer.mini_batch_unit) == (mini_batch, "prompts")
-    sequences = 512 * (16 + replays)
-    per_step = mini_batch * 16
-    assert -(-sequences // per_step) == steps_per_step
+    # the trainer's own plan for a full step: 512 prompts x (G + M) sequences
+    plan = mini_batch_plan(512 * (16 + replays), cfg)
+    assert len(plan) == steps_per_step
+    assert [i for rows in plan for i in rows] == list(range(512 * (16 + replays)))
     assert (cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens) == (1024, 3072)
     assert (cfg.algo.clip_ratio_low, cfg.algo.clip_ratio_high, cfg.algo.clip_ratio_c) == (
         0.2, 0.28, 10.0)

@@ -44,10 +44,14 @@ def test_request_seeds_are_reproducible_and_leave_room_for_n_samples():
     seeds = [request_seed(7, i, n) for i in range(2000)]
     assert seeds == [request_seed(7, i, n) for i in range(2000)]
     assert seeds != [request_seed(8, i, n) for i in range(2000)]
-    assert all(0 <= s < 2 ** 31 - n for s in seeds)
-    # vLLM seeds sample j of a request with seed + j: no two requests' ranges overlap here
-    spans = sorted(seeds)
-    assert min(b - a for a, b in zip(spans, spans[1:])) >= n
+    # vLLM seeds sample j of a request with seed + j (a 32-bit signed seed): the requests'
+    # ranges are consecutive blocks of n, so none overlaps, for any seed
+    for base in (0, 7, 2 ** 40 + 3):
+        block = [request_seed(base, i, n) for i in range(2000)]
+        assert [b - a for a, b in zip(block, block[1:])] == [n] * 1999
+        assert 0 <= block[0] and block[-1] + n <= 2 ** 31
+    with pytest.raises(ValueError, match="seed range"):
+        request_seed(7, 2 ** 30 // n, n)
 
 
 def test_logprob_abs_diff_matches_hand_computation():
