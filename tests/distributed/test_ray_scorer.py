@@ -4,12 +4,13 @@ import time
 import pytest
 
 from rlep_megatron.reward import ScoreRequest, make_scorer_pool
+from tests import requires
 
 pytestmark = pytest.mark.distributed
 
 
 def test_ray_pool_times_out_a_hang():
-    pytest.importorskip("ray")
+    requires("ray")
     tower = "\\boxed{" + "9^{" * 12 + "9" + "}" * 12 + "}"
     requests = [ScoreRequest("math_dapo", f"Answer: {i}", str(i if i % 2 else -1))
                 for i in range(40)]

@@ -19,10 +19,11 @@ from rlep_megatron.tiny_model import make_tiny_model
 from rlep_megatron.tiny_task import make_tiny_task, warm_start
 from tests.e2e.helpers import recipe, run_rlep
 from tests.torchrun import REPO_ROOT, _env
+from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
-pytest.importorskip("vllm")
+requires("vllm")
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,11 @@ from safetensors.torch import load_file
 from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool, run_rlep,
                                small_task, train_overrides)
 from tests.torchrun import REPO_ROOT, _env
+from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
-pytest.importorskip("vllm")
+requires("vllm")
 
 G, M = 4, 2
 

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from tests.torchrun import run_torchrun
+from tests import requires
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 
-pytest.importorskip("vllm")
+requires("vllm")
 
 PARITY_TOL = 1e-4
 

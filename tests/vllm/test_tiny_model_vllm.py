@@ -10,10 +10,11 @@ import torch
 
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
 from tests.torchrun import REPO_ROOT
+from tests import requires
 
 pytestmark = pytest.mark.vllm
 
-pytest.importorskip("vllm")
+requires("vllm")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
