@@ -92,6 +92,20 @@ def mini_batch_plan(num_sequences: int, cfg: RunConfig) -> list[list[int]]:
     return [list(range(i, min(i + per, num_sequences))) for i in range(0, num_sequences, per)]
 
 
+def training_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, mask)``, both ``[n, longest prompt + response]``: each row is its prompt
+    followed by its response, right-padded with ``pad_id``; the mask is 1 on every response
+    token (the EOS that ended a response included: stopping is part of what is trained) and 0
+    on the prompt and the padding."""
+    from rlep_megatron.actor.forward import pad_sequences
+
+    ids, lengths = pad_sequences([p + r for p, r in zip(prompts, responses)], pad_id=pad_id)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    starts = torch.tensor([len(p) for p in prompts])[:, None]
+    return ids, ((positions >= starts) & (positions < lengths[:, None])).float()
+
+
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
@@ -338,7 +352,6 @@ class Trainer:
         """This DP rank's slice of a mini-batch, with old log-probs from the current actor (and
         the reference's, with a KL term), plus this slice's sums and maxima for the step's
         metrics (reduced over DP ranks by :meth:`old_logprob`)."""
-        from rlep_megatron.actor.forward import pad_sequences
         from rlep_megatron.actor.train_step import TrainBatch
         from rlep_megatron.algo import mismatch_kl, rollout_correction_weights
         from rlep_megatron.rollout.parity import actor_logprobs_everywhere, logprob_abs_diff
@@ -351,11 +364,10 @@ class Trainer:
         placeholder = not mine
         seqs = [batch.sequences[i] for i in (mine or indices[:1])]
         starts = [len(batch.prompts[s.group]) for s in seqs]
-        ids, lengths = pad_sequences([batch.prompts[s.group] + s.token_ids for s in seqs],
-                                     pad_id=self.pad_id)
-        positions = torch.arange(ids.shape[1]).unsqueeze(0)
-        mask = ((positions >= torch.tensor(starts)[:, None])
-                & (positions < lengths[:, None])).float() * (0.0 if placeholder else 1.0)
+        ids, mask = training_rows([batch.prompts[s.group] for s in seqs],
+                                  [s.token_ids for s in seqs], self.pad_id)
+        if placeholder:
+            mask.zero_()
         micro = max(1, self.cfg.trainer.micro_batch_max_tokens // max(1, ids.shape[1]))
         rows = [list(r) for r in ids.tolist()]
         old = actor_logprobs_everywhere(self.chunks, self.info, rows, self.pad_id,

@@ -112,6 +112,12 @@ def main():
         entry["sync2"] = sync_weights(engine, streamer)
         after = engine.generate(prompts, seed=21 + number)
         entry["parity_after"] = probe(chunks, info, prompts, after, PAD)
+        # temperature != 1 on both sides: vLLM samples at T = 0.7 and reports log-probs of the
+        # tempered distribution; the actor divides its logits by the same T (and at T = 1 it
+        # would disagree: the control that the temperature is really applied)
+        warm = engine.generate(prompts, seed=41 + number, temperature=0.7)
+        entry["parity_t07"] = probe(chunks, info, prompts, warm, PAD, temperature=0.7)
+        entry["parity_t07_at_t1"] = probe(chunks, info, prompts, warm, PAD, temperature=1.0)
         diffs = common_prefix_diffs(before, after)
         entry["moved_tokens"] = len(diffs)
         entry["moved_mean_abs"] = sum(diffs) / max(len(diffs), 1)

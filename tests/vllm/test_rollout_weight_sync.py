@@ -30,9 +30,10 @@ def check_layouts(report, expected_layouts):
     for name, entry in report["layouts"].items():
         assert entry["sync1"]["tensors"] == entry["tensors"] > 0, name
         assert entry["buckets"] > 1, name  # small buckets: the stream really is bucketed
-        for key in ("parity_before", "parity_after"):
+        for key in ("parity_before", "parity_after", "parity_t07"):
             assert entry[key]["tokens"] > 50, (name, key)
             assert entry[key]["mean"] <= PARITY_TOL, (name, key, entry[key])
+        assert entry["parity_t07_at_t1"]["mean"] > 100 * PARITY_TOL, name
         # the step between the two syncs moved the engine's log-probs of the same tokens far
         # beyond the parity tolerance
         assert entry["moved_tokens"] > 0, name

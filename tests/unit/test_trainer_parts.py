@@ -1,0 +1,69 @@
+"""Pure parts of the RL loop, checked directly: the rows and loss mask the actor trains on, the
+optimizer mini-batch plan, and the reward of replays (re-scored, overlong shaping included)."""
+import pytest
+import torch
+
+from rlep_megatron.config import load_config
+from rlep_megatron.data import PromptRows
+from rlep_megatron.reward import compute_score
+from rlep_megatron.trainer import (FRESH, REPLAY, Sample, StepBatch, Trainer, mini_batch_plan,
+                                   training_rows)
+
+pytestmark = pytest.mark.unit
+
+EOS, PAD = 258, 256
+
+
+def test_training_rows_mask_every_response_token_and_the_eos():
+    prompts = [[1, 2, 3], [4, 5]]
+    responses = [[10, 11, EOS], [12, 13, 14, 15]]  # stopped on EOS; cut at the length budget
+    ids, mask = training_rows(prompts, responses, PAD)
+    assert ids.tolist() == [[1, 2, 3, 10, 11, EOS], [4, 5, 12, 13, 14, 15]]
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]]
+    ids, mask = training_rows([[1, 2, 3], [4]], [[EOS], [12, 13, 14, 15, EOS]], PAD)
+    assert ids[0].tolist() == [1, 2, 3, EOS, PAD, PAD]  # right padding, never trained
+    assert mask.tolist() == [[0, 0, 0, 1, 0, 0], [0, 1, 1, 1, 1, 1]]
+
+
+def test_mini_batch_plan_counts_prompts_or_sequences():
+    # 4 prompts x (G = 4 fresh + M = 2 replays); mini_batch_size 2 prompts = 2 x G sequences
+    cfg = load_config(None, ["rollout.num_samples_per_prompt=4", "trainer.mini_batch_size=2"])
+    plan = mini_batch_plan(24, cfg)
+    assert plan == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    cfg = load_config(None, ["trainer.mini_batch_unit=sequences", "trainer.mini_batch_size=23"])
+    assert mini_batch_plan(24, cfg) == [list(range(23)), [23]]
+    assert mini_batch_plan(0, cfg) == []
+
+
+class InProcessScorer:
+    def score(self, requests):
+        return [compute_score(r.data_source, r.solution_str, r.ground_truth) for r in requests]
+
+
+def test_replays_are_rescored_and_shaped_like_fresh_responses():
+    """RLEP_SPEC.md section 5: overlong shaping applies to replays too. max 32 tokens, buffer 8:
+    a response of L > 24 tokens gets min(0, -(L - 24) / 8)."""
+    cfg = load_config(None, ["rollout.max_response_tokens=32", "reward.overlong_buffer_tokens=8",
+                             "reward.overlong_penalty_factor=1.0"])
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.scorer = cfg, InProcessScorer()
+    rows = PromptRows()
+    rows.data_source.append("math_dapo")
+    rows.messages.append([{"role": "user", "content": "1 + 1"}])
+    rows.ground_truth.append("2")
+    rows.candidates.append(None)
+    rows.index.append("0")
+    trainer.train_rows = rows
+
+    def sample(source, text, length):
+        return Sample(0, [0] * length, text, source)
+
+    batch = StepBatch(rows=[0], prompts=[[1, 2]], sequences=[
+        sample(FRESH, "Answer: 2", 10),      # correct, short: +1
+        sample(REPLAY, "Answer: 2", 28),     # correct replay, 4 tokens into the buffer: +0.5
+        sample(REPLAY, "Answer: 3", 32),     # wrong replay at the budget: -1 - 1
+        sample(FRESH, "no answer", 26),      # wrong fresh: -1 - 0.25
+    ])
+    trainer.reward(batch)
+    assert [s.acc for s in batch.sequences] == [True, True, False, False]
+    assert [s.reward for s in batch.sequences] == [1.0, 0.5, -2.0, -1.25]
