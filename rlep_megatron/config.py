@@ -294,10 +294,23 @@ class TrainerConfig:
     """Validate every N steps (and at step 0); 0 disables validation."""
     log_all_ranks: bool = False
     """Print logs of every rank, not only rank 0 (debugging)."""
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Where each step's metrics go besides ``metrics.jsonl`` (always written): any of
+    ``tensorboard`` (``<output_dir>/tensorboard``) and ``wandb`` (Weights & Biases, when the
+    ``wandb`` package is installed; same keys; ``WANDB_MODE=offline`` works without a
+    network). A resumed run continues the same W&B run."""
+    wandb_project: str = "rlep"
+    """W&B project of the run (with ``wandb`` in ``loggers``)."""
+    wandb_run_name: str = ""
+    """W&B run name; empty: the output directory's name."""
 
     def __post_init__(self):
         if not self.output_dir:
             raise ValueError("trainer.output_dir must be a non-empty path")
+        unknown = sorted(set(self.loggers) - {"tensorboard", "wandb"})
+        if unknown:
+            raise ValueError(f"trainer.loggers: unknown {unknown}; choose from tensorboard, "
+                             "wandb (metrics.jsonl is always written)")
         if self.total_steps < 0:
             raise ValueError(f"trainer.total_steps must be >= 0, got {self.total_steps}")
         if self.mini_batch_size < 1:

@@ -1,5 +1,5 @@
-"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step) mirrored to TensorBoard, and
-rank-0 progress bars.
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step) mirrored to TensorBoard and/or
+Weights & Biases, and rank-0 progress bars.
 
 Each record is written with a single ``write`` on a file opened with ``O_APPEND`` and flushed to
 disk, so a crash or a kill leaves at most one incomplete last line; reopening the file drops that
@@ -40,15 +40,49 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return records
 
 
+WANDB_ID_FILE = "wandb_run_id.txt"
+
+
+def check_loggers(loggers: Iterable[str]) -> None:
+    """Fail before any work when a chosen logger's package is missing."""
+    import importlib.util
+
+    if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
+        raise ValueError("trainer.loggers includes wandb but the wandb package is not "
+                         "installed: pip install wandb (or drop wandb from trainer.loggers)")
+
+
+def open_wandb_run(output_dir: str, project: str, name: str, config: Optional[dict] = None):
+    """A W&B run for ``output_dir``: its id is kept in ``<output_dir>/wandb_run_id.txt``, so a
+    resumed training run appends to the same W&B run (steps at or below W&B's last step, redone
+    after a resume, are dropped by W&B; ``metrics.jsonl`` holds them)."""
+    check_loggers(["wandb"])
+    import wandb
+
+    id_path = os.path.join(output_dir, WANDB_ID_FILE)
+    if os.path.exists(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        from rlep_megatron.checkpoint.staging import write_file_atomic
+
+        run_id = wandb.util.generate_id()
+        write_file_atomic(id_path, run_id + "\n")
+    return wandb.init(project=project, name=name or os.path.basename(os.path.abspath(output_dir)),
+                      id=run_id, resume="allow", dir=output_dir, config=config)
+
+
 class MetricsWriter:
-    """Appends step records to ``<output_dir>/metrics.jsonl`` and TensorBoard (rank 0 only)."""
+    """Appends step records to ``<output_dir>/metrics.jsonl`` and mirrors them to TensorBoard
+    and/or W&B (rank 0 only)."""
 
     def __init__(self, output_dir: str, enabled: bool = True, tensorboard: bool = True,
-                 fsync: bool = True):
+                 fsync: bool = True, wandb_run=None):
         self.path = os.path.join(output_dir, METRICS_FILE_NAME)
         self.enabled = enabled
         self.fsync = fsync
         self._tb = None
+        self._wandb = wandb_run
         self._fd: Optional[int] = None
         if not enabled:
             return
@@ -95,11 +129,15 @@ class MetricsWriter:
             raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
         if self.fsync:
             os.fsync(self._fd)
+        scalars = {key: value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float))
+                   and not isinstance(value, bool)}
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, global_step=step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=int(step))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -108,6 +146,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self):
         return self

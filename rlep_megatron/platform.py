@@ -106,14 +106,51 @@ def megatron_config_overrides() -> dict:
     return {} if cuda_available() else {"batch_p2p_comm": False}
 
 
-def transformer_engine_available() -> bool:
+@functools.lru_cache(maxsize=None)
+def transformer_engine_status() -> tuple[bool, str]:
+    """``(usable, why not)``: TransformerEngine needs CUDA and an importable
+    ``transformer_engine.pytorch``; a broken install is reported with its import error."""
     if not cuda_available():
-        return False
+        return False, "no CUDA device (TransformerEngine and apex are GPU-only)"
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as err:  # a half-built install raises more than ImportError
+        return False, f"importing transformer_engine.pytorch failed: {type(err).__name__}: {err}"
+    return True, ""
+
+
+def transformer_engine_available() -> bool:
+    return transformer_engine_status()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def report_layer_spec(use_te: bool) -> None:
+    """Say once per process which layer implementation the actor uses, and what it costs when
+    an accelerator is missing where it would matter (on a GPU)."""
+    if use_te:
+        logger.info("actor layers: TransformerEngine spec (fused attention, norms, GEMMs)")
+        return
+    reason = transformer_engine_status()[1]
+    if cuda_available():
+        logger.warning("actor layers: megatron-core's local spec and torch's AdamW, because "
+                       "%s. Training is correct but slower than with TransformerEngine's fused "
+                       "kernels; see scripts/setup_gpu.sh.", reason)
+    else:
+        logger.info("actor layers: megatron-core's local spec and torch's AdamW (%s)", reason)
+
+
+def quiet_megatron_accelerator_warnings() -> None:
+    """megatron-core warns at import, once per module and process, that TransformerEngine and
+    apex are missing (a dozen lines per run); :func:`report_layer_spec` says it once instead."""
+    import warnings
+
+    for pattern in (r"Transformer Engine and Apex are not installed",
+                    r"Apex is not installed"):
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+    logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
+
+
+quiet_megatron_accelerator_warnings()
 
 
 # ----------------------------------------------------------------------------------------------

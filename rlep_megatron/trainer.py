@@ -117,6 +117,9 @@ class Trainer:
 
         self.cfg = cfg
         faults.target()  # a malformed RLEP_FAULT_INJECT fails here, not mid-run
+        from rlep_megatron.metrics import check_loggers
+
+        check_loggers(cfg.trainer.loggers)
         if not cfg.model.hf_dir:
             raise ValueError("model.hf_dir is required: the HF checkpoint directory the run "
                              "starts from (config.json, tokenizer, weights)")
@@ -219,7 +222,16 @@ class Trainer:
         if distributed.is_rank0():
             os.makedirs(cfg.trainer.output_dir, exist_ok=True)
             dump_config(cfg, cfg.trainer.output_dir)
-            self.metrics = MetricsWriter(cfg.trainer.output_dir)
+            wandb_run = None
+            if "wandb" in cfg.trainer.loggers:
+                from rlep_megatron.config import config_to_dict
+                from rlep_megatron.metrics import open_wandb_run
+
+                wandb_run = open_wandb_run(cfg.trainer.output_dir, cfg.trainer.wandb_project,
+                                           cfg.trainer.wandb_run_name, config_to_dict(cfg))
+            self.metrics = MetricsWriter(cfg.trainer.output_dir,
+                                         tensorboard="tensorboard" in cfg.trainer.loggers,
+                                         wandb_run=wandb_run)
         self.step = 0
 
     # ------------------------------------------------------------------ phases

@@ -103,6 +103,7 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     use_te = platform.transformer_engine_available()
+    platform.report_layer_spec(use_te)
     config = transformer_config(hf_config, tp, pp, params_dtype, vpp, recompute_activations,
                                 use_te)
     if use_te:

@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from rlep_megatron.config import load_config
 from rlep_megatron.metrics import MetricsWriter, progress, read_metrics
 
 pytestmark = pytest.mark.unit
@@ -61,3 +62,57 @@ def test_progress_is_silent_off_rank0(capsys):
     assert capsys.readouterr().err == ""
     assert list(progress(range(2), desc="scoring", enabled=True)) == [0, 1]
     assert "scoring" in capsys.readouterr().err
+
+
+class FakeWandb:
+    """Records what the W&B client would be given (the package is optional)."""
+
+    def __init__(self):
+        import importlib.machinery
+
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.inits, self.logged, self.finished = [], [], 0
+        self.util = type("util", (), {"generate_id": staticmethod(lambda: "run123")})
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished += 1
+
+
+def test_wandb_gets_the_same_scalars_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    import sys
+
+    from rlep_megatron.metrics import open_wandb_run
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for _ in range(2):  # a run, then its resumption
+        run = open_wandb_run(str(tmp_path), "proj", "", {"algo": {"kl_coef": 0.0}})
+        with MetricsWriter(str(tmp_path), tensorboard=False, wandb_run=run) as writer:
+            writer.log(3, {"train/pg_loss": 0.5, "val/x/mean@4": 1, "note": "text"})
+    assert [i["id"] for i in fake.inits] == ["run123", "run123"]
+    assert fake.inits[0]["resume"] == "allow" and fake.inits[0]["project"] == "proj"
+    assert fake.inits[0]["name"] == tmp_path.name
+    assert fake.logged[0] == (3, {"train/pg_loss": 0.5, "val/x/mean@4": 1})
+    assert fake.finished == 2
+    assert [r["train/pg_loss"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0.5,
+                                                                                           0.5]
+
+
+def test_a_missing_wandb_is_refused_before_any_work(monkeypatch):
+    import importlib.util
+
+    from rlep_megatron.metrics import check_loggers
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install wandb"):
+        check_loggers(["tensorboard", "wandb"])
+    check_loggers(["tensorboard"])
+    with pytest.raises(ValueError, match="trainer.loggers"):
+        load_config(None, ["trainer.loggers=[tensorboard, mlflow]"])

@@ -111,3 +111,37 @@ def test_pipeline_sends_are_unbatched_on_gloo(monkeypatch):
     assert platform.megatron_config_overrides() == {"batch_p2p_comm": False}
     monkeypatch.setattr(platform, "cuda_available", lambda: True)
     assert platform.megatron_config_overrides() == {}
+
+
+def test_a_broken_transformer_engine_is_reported_once_with_its_error(monkeypatch, caplog):
+    import logging
+    import sys
+
+    monkeypatch.setattr(platform, "cuda_available", lambda: True)  # a GPU node, faked
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import fails
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    platform.transformer_engine_status.cache_clear()
+    platform.report_layer_spec.cache_clear()
+    try:
+        assert platform.transformer_engine_available() is False
+        with caplog.at_level(logging.INFO, logger="rlep_megatron.platform"):
+            platform.report_layer_spec(False)
+            platform.report_layer_spec(False)
+        warnings_logged = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings_logged) == 1
+        assert "importing transformer_engine.pytorch failed" in warnings_logged[0].getMessage()
+        assert "local spec" in warnings_logged[0].getMessage()
+    finally:
+        platform.transformer_engine_status.cache_clear()
+        platform.report_layer_spec.cache_clear()
+
+
+def test_megatron_accelerator_warnings_are_silenced():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        platform.quiet_megatron_accelerator_warnings()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch "
+                      "optimizers.", UserWarning)
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in caught] == ["something else"]
