@@ -244,3 +244,15 @@ def reduce_values(values: dict[str, float], op: str = "sum", group=None) -> dict
     torch.distributed.all_reduce(buffer, op=ops[op], group=group)
     return dict(zip(keys, buffer.cpu().tolist()))
 
+
+def broadcast_values(values: dict[str, float], src: int, group=None) -> dict[str, float]:
+    """Named floats of global rank ``src`` on every rank of ``group`` (float64, one
+    collective). Collective."""
+    keys = sorted(values)
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
+        return dict(values)
+    buffer = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
+                          device=communication_device(group))
+    torch.distributed.broadcast(buffer, src=src, group=group)
+    return dict(zip(keys, buffer.cpu().tolist()))
+

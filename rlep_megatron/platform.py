@@ -548,19 +548,21 @@ def _keep_cpu_tracker(*_args, **_kwargs):
     return None
 
 
-def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module) -> int:
-    """After an in-place weight reload on vLLM's CPU backend, rebuild the packed GEMM kernels of
-    embedding-method layers (the LM head). The CPU backend packs a copy of the LM-head matrix
-    when the model loads; with tied embeddings the head receives no weights of its own during a
-    reload (the embedding's storage is updated in place), so its packed copy would keep serving
-    the old matrix. Re-running the layer's own ``process_weights_after_loading`` repacks it from
-    the current weight. No-op with CUDA. Returns the number of layers refreshed."""
-    if cuda_available():
+def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module, tied: bool) -> int:
+    """After an in-place weight reload on vLLM's CPU backend, rebuild the packed GEMM kernel of
+    a tied LM head. The CPU backend packs a copy of the LM-head matrix when the model loads;
+    with tied embeddings the head receives no weights of its own during a reload (the
+    embedding's storage is updated in place), so its packed copy would keep serving the old
+    matrix. Re-running the layer's own ``process_weights_after_loading`` repacks it from the
+    current weight. An untied head is reloaded (and repacked by vLLM) like any other layer:
+    nothing to do. No-op with CUDA. Returns the number of layers refreshed."""
+    if cuda_available() or not tied:
         return 0
     refreshed = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if (type(method).__name__ == "UnquantizedEmbeddingMethod"
+        if (name.split(".")[-1] == "lm_head"
+                and type(method).__name__ == "UnquantizedEmbeddingMethod"
                 and hasattr(module, "cpu_linear")):
             method.process_weights_after_loading(module)
             refreshed += 1

@@ -128,6 +128,13 @@ class Trainer:
         if not cfg.data.train_files:
             raise ValueError("data.train_files is empty: give at least one training parquet")
         self.hf_config = load_hf_config(cfg.model.hf_dir)
+        if cfg.model.mcore_dir:
+            if not os.path.isdir(cfg.model.mcore_dir):
+                raise FileNotFoundError(f"model.mcore_dir={cfg.model.mcore_dir!r} does not exist")
+            if os.path.isfile(os.path.join(cfg.model.mcore_dir, "meta.json")):
+                from rlep_megatron.checkpoint.resume import check_checkpoint_model
+
+                check_checkpoint_model(cfg.model.mcore_dir, self.hf_config)
         # data, pool and checkpoint checks before any expensive set-up
         self._load_data()
         from rlep_megatron.checkpoint.resume import CheckpointManager
@@ -178,7 +185,7 @@ class Trainer:
         dtype = resolve_dtype(cfg.model.params_dtype)
         if cfg.model.mcore_dir:
             self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations)
-            load_mcore_weights(self.chunks, cfg.model.mcore_dir)
+            load_mcore_weights(self.chunks, cfg.model.mcore_dir, hf_config=hf)
         else:
             self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
                                                    cfg.model.recompute_activations)
@@ -366,7 +373,7 @@ class Trainer:
         metrics (reduced over DP ranks by :meth:`old_logprob`)."""
         from rlep_megatron.actor.train_step import TrainBatch
         from rlep_megatron.algo import mismatch_kl, rollout_correction_weights
-        from rlep_megatron.rollout.parity import actor_logprobs_everywhere, logprob_abs_diff
+        from rlep_megatron.rollout.parity import actor_logprobs, logprob_abs_diff
 
         algo = self.cfg.algo
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
@@ -381,12 +388,15 @@ class Trainer:
         if placeholder:
             mask.zero_()
         micro = max(1, self.cfg.trainer.micro_batch_max_tokens // max(1, ids.shape[1]))
-        rows = [list(r) for r in ids.tolist()]
-        old = actor_logprobs_everywhere(self.chunks, self.info, rows, self.pad_id,
-                                        micro_batch_size=micro,
-                                        temperature=self.cfg.rollout.temperature)
-        ref = (self.reference.logprobs(rows, self.pad_id, micro, self.cfg.rollout.temperature)
+        temperature = self.cfg.rollout.temperature
+        old = actor_logprobs(self.chunks, self.info, ids, micro, temperature, everywhere=False)
+        ref = (self.reference.logprobs(ids, micro, temperature)
                if self.reference is not None else None)
+        if old is None:
+            # not the last pipeline stage: it only feeds activations forward; the loss and the
+            # metrics below live on the last stage (old_logprob broadcasts the metrics)
+            old = torch.zeros(ids.shape)
+            ref = old if self.reference is not None else None
         # the engine's log-probs of fresh tokens, aligned with the actor's columns
         fresh = [row for row, s in enumerate(seqs)
                  if s.source == FRESH and s.engine_logprobs and not placeholder]
@@ -437,6 +447,11 @@ class Trainer:
                                          "sum", dp_group)
         maxima = distributed.reduce_values(
             {k: max(p[2][k] for p in parts) for k in parts[0][2]}, "max", dp_group)
+        # computed from real log-probs on the last pipeline stage only
+        pp_last, pp_group = (ps.get_pipeline_model_parallel_last_rank(),
+                             ps.get_pipeline_model_parallel_group())
+        sums = distributed.broadcast_values(sums, pp_last, pp_group)
+        maxima = distributed.broadcast_values(maxima, pp_last, pp_group)
         rollout_tokens = max(sums["rollout_tokens"], 1.0)
         metrics = {
             "rollout/logprob_abs_diff": (sums["parity"] / sums["parity_tokens"]

@@ -210,14 +210,27 @@ def load_model_state_dict(chunks: list[torch.nn.Module], state: dict) -> None:
         unwrap(chunk).load_state_dict(state[f"model{i}"])
 
 
-def load_mcore_weights(chunks: list[torch.nn.Module], path: str) -> None:
+def resolve_mcore_dir(mcore_dir: str) -> str:
+    """A dist checkpoint directory; a training checkpoint (``checkpoints/step_XXXXXXXX``, whose
+    weights are in ``dist/``) is accepted as well."""
+    import os
+
+    if os.path.isfile(os.path.join(mcore_dir, "meta.json")) and os.path.isfile(
+            os.path.join(mcore_dir, "dist", "metadata.json")):
+        return os.path.join(mcore_dir, "dist")
+    return mcore_dir
+
+
+def load_mcore_weights(chunks: list[torch.nn.Module], path: str,
+                       hf_config: Optional[dict] = None) -> None:
     """Load a megatron-core dist checkpoint (any saved layout) into this rank's chunks: a
-    converted checkpoint or a training checkpoint (``checkpoints/step_XXXXXXXX``, model part)."""
+    converted checkpoint or a training checkpoint (``checkpoints/step_XXXXXXXX``, model part;
+    with ``hf_config`` its recorded model is checked against it first). The one loader of
+    model weights from a dist checkpoint (training start, ``rlep collect``/``eval``, the
+    conversion check)."""
     import os
 
     from megatron.core import dist_checkpointing
-
-    from rlep_megatron.checkpoint.convert import resolve_mcore_dir
 
     directory = resolve_mcore_dir(path)
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
@@ -226,6 +239,10 @@ def load_mcore_weights(chunks: list[torch.nn.Module], path: str) -> None:
     # a training checkpoint nests the model under "model" next to the optimizer; ask for the
     # same nesting so its common (non-tensor) optimizer entries stay out of the model's dict
     training = directory != path
+    if training and hf_config is not None:
+        from rlep_megatron.checkpoint.resume import check_checkpoint_model
+
+        check_checkpoint_model(path, hf_config)
     request = model_sharded_state_dict(chunks)
     state = dist_checkpointing.load({"model": request} if training else request, directory)
     load_model_state_dict(chunks, state["model"] if training else state)

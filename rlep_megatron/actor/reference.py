@@ -9,7 +9,7 @@ each forward pass.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Optional
 
 import torch
 
@@ -49,13 +49,12 @@ class ReferencePolicy:
         finally:
             self._move(torch.device("cpu"))
 
-    def logprobs(self, sequences: Sequence[Sequence[int]], pad_id: int, micro_batch_size: int,
-                 temperature: float) -> torch.Tensor:
-        """Per-token log-probs of ``sequences`` on every rank (as the actor's old log-probs).
-        Collective."""
-        from rlep_megatron.rollout.parity import actor_logprobs_everywhere
+    def logprobs(self, input_ids: torch.Tensor, micro_batch_size: int, temperature: float
+                 ) -> Optional[torch.Tensor]:
+        """Per-token log-probs of the right-padded ``input_ids`` on the last pipeline stage
+        (``None`` elsewhere), as the actor's old log-probs. Collective."""
+        from rlep_megatron.rollout.parity import actor_logprobs
 
         with self.on_device() as chunks:
-            return actor_logprobs_everywhere(chunks, self.info, sequences, pad_id,
-                                             micro_batch_size=micro_batch_size,
-                                             temperature=temperature)
+            return actor_logprobs(chunks, self.info, input_ids, micro_batch_size, temperature,
+                                  everywhere=False)

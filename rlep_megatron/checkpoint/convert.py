@@ -118,16 +118,9 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, show_progress: bool = True) -
                     time.perf_counter() - start)
 
 
-def resolve_mcore_dir(mcore_dir: str) -> str:
-    """A dist checkpoint directory; a training checkpoint (``checkpoints/step_XXXXXXXX``, whose
-    weights are in ``dist/``) is accepted as well."""
-    if os.path.isfile(os.path.join(mcore_dir, "meta.json")) and os.path.isfile(
-            os.path.join(mcore_dir, "dist", "metadata.json")):
-        return os.path.join(mcore_dir, "dist")
-    return mcore_dir
-
-
 def _resolve_config_dir(mcore_dir: str, hf_config_dir: Optional[str]) -> str:
+    from rlep_megatron.actor.model import resolve_mcore_dir
+
     if not os.path.isdir(mcore_dir):
         raise FileNotFoundError(f"megatron checkpoint directory not found: {mcore_dir}")
     if not os.path.isfile(os.path.join(resolve_mcore_dir(mcore_dir), "metadata.json")):
@@ -146,6 +139,7 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[st
     summary line. Reads one layer at a time and flushes each safetensors shard when full."""
     from safetensors.torch import save_file
 
+    from rlep_megatron.actor.model import resolve_mcore_dir
     from rlep_megatron.checkpoint.streaming import iter_checkpoint_params
     from rlep_megatron.metrics import progress
 

@@ -42,12 +42,18 @@ def model_fingerprint(hf_config: dict) -> dict:
     return {key: hf_config.get(key) for key in _FINGERPRINT_KEYS}
 
 
-def check_checkpoint_model(path: str, hf_config: dict, hf_dir: str) -> dict:
-    """A training checkpoint's meta.json, after checking it is of the model in ``hf_dir``."""
+def check_checkpoint_model(path: str, hf_config: dict) -> dict:
+    """A training checkpoint's meta.json, after checking that it was saved for the model of
+    ``hf_config`` (``model.hf_dir``); the error names the fields that differ. The one
+    fingerprint check of a training checkpoint."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
-    if meta.get("model") != model_fingerprint(hf_config):
-        raise ValueError(f"checkpoint {path} is of another model than model.hf_dir={hf_dir!r}")
+    ours, theirs = model_fingerprint(hf_config), meta.get("model") or {}
+    if theirs != ours:
+        diff = {k: theirs.get(k) for k in ours if theirs.get(k) != ours[k]}
+        raise ValueError(
+            f"checkpoint {path} is of another model than model.hf_dir (differs in "
+            f"{sorted(diff)}: {diff} vs { {k: ours[k] for k in diff} })")
     return meta
 
 
@@ -94,19 +100,15 @@ class CheckpointManager:
         """Refuse, before any expensive work, an output dir whose checkpoints belong to another
         model."""
         for _, path in list_checkpoints(self.root):
-            with open(os.path.join(path, "meta.json")) as f:
-                theirs = json.load(f).get("model")
-            if theirs != self.fingerprint:
-                diff = {k: (theirs or {}).get(k) for k in self.fingerprint
-                        if (theirs or {}).get(k) != self.fingerprint[k]}
-                raise ValueError(
-                    f"trainer.output_dir={self.cfg.trainer.output_dir!r} holds checkpoint "
-                    f"{path} of another model (differs in {sorted(diff)}: {diff} vs "
-                    f"{ {k: self.fingerprint[k] for k in diff} }); choose a new output_dir")
+            try:
+                check_checkpoint_model(path, self.hf_config)
+            except ValueError as err:
+                raise ValueError(f"trainer.output_dir={self.cfg.trainer.output_dir!r} holds "
+                                 f"another model's checkpoint: {err}; choose a new "
+                                 "output_dir") from None
         path = self._resume_path()
         if path is not None:
-            self._check_layout(path, check_checkpoint_model(path, self.hf_config,
-                                                            self.cfg.model.hf_dir))
+            self._check_layout(path, check_checkpoint_model(path, self.hf_config))
 
     # ------------------------------------------------------------------ state
 

@@ -78,7 +78,6 @@ def _dtype_name(cfg) -> str:
 def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, seed: int):
     from rlep_megatron.actor.model import build_model, load_mcore_weights, resolve_dtype
     from rlep_megatron.checkpoint.hf_io import load_hf_config
-    from rlep_megatron.checkpoint.resume import check_checkpoint_model
     from rlep_megatron.rollout import RolloutEngine
     from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 
@@ -86,13 +85,12 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, s
         raise ValueError("loading a training checkpoint needs model.hf_dir (the HF directory "
                          "the run started from: config and tokenizer)")
     hf = load_hf_config(cfg.model.hf_dir)
-    check_checkpoint_model(checkpoint, hf, cfg.model.hf_dir)
     distributed.init_model_parallel(
         cfg.parallel, seed=seed, num_attention_heads=hf["num_attention_heads"],
         num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
         num_layers=hf["num_hidden_layers"])
     chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype))
-    load_mcore_weights(chunks, checkpoint)
+    load_mcore_weights(chunks, checkpoint, hf_config=hf)
     engine = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype=_dtype_name(cfg), seed=seed,
                            max_model_len=max_model_len, load_weights=False)
     result = sync_weights(engine, WeightStreamer(chunks, info,

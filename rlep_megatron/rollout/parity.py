@@ -45,19 +45,19 @@ def logprob_abs_diff(engine_logprobs: Sequence[Sequence[float]], actor_logp: tor
     return {"mean": flat.mean().item(), "max": flat.max().item(), "tokens": int(flat.numel())}
 
 
-def actor_logprobs_everywhere(chunks: list[torch.nn.Module], info: ActorModelInfo,
-                              sequences: Sequence[Sequence[int]], pad_id: int,
-                              micro_batch_size: int = 8, temperature: float = 1.0
-                              ) -> torch.Tensor:
-    """The actor's per-token log-probs of ``sequences`` on every rank (computed on the last
-    pipeline stage and broadcast over the pipeline group). Collective."""
+def actor_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo, input_ids: torch.Tensor,
+                   micro_batch_size: int = 8, temperature: float = 1.0,
+                   everywhere: bool = True) -> Optional[torch.Tensor]:
+    """The actor's per-token log-probs ``[n, seq]`` of the right-padded ``input_ids``, computed
+    on the last pipeline stage; with ``everywhere`` broadcast over the pipeline group to every
+    stage, otherwise ``None`` on the other stages (which only feed activations forward).
+    Collective."""
     from megatron.core import parallel_state as ps
 
-    input_ids, _ = pad_sequences([list(s) for s in sequences], pad_id=pad_id)
     result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=micro_batch_size,
                                temperature=temperature)
     logp: Optional[torch.Tensor] = None if result is None else result["logp"]
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if everywhere and ps.get_pipeline_model_parallel_world_size() > 1:
         device = next(chunks[0].parameters()).device
         buf = (logp.to(device, torch.float32) if logp is not None
                else torch.empty(input_ids.shape, dtype=torch.float32, device=device))
@@ -65,6 +65,15 @@ def actor_logprobs_everywhere(chunks: list[torch.nn.Module], info: ActorModelInf
                                     group=ps.get_pipeline_model_parallel_group())
         logp = buf.cpu()
     return logp
+
+
+def actor_logprobs_everywhere(chunks: list[torch.nn.Module], info: ActorModelInfo,
+                              sequences: Sequence[Sequence[int]], pad_id: int,
+                              micro_batch_size: int = 8, temperature: float = 1.0
+                              ) -> torch.Tensor:
+    """:func:`actor_logprobs` of unpadded token lists, on every rank. Collective."""
+    input_ids, _ = pad_sequences([list(s) for s in sequences], pad_id=pad_id)
+    return actor_logprobs(chunks, info, input_ids, micro_batch_size, temperature)
 
 
 def probe(chunks: list[torch.nn.Module], info: ActorModelInfo, prompts: Sequence[Sequence[int]],

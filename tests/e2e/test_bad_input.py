@@ -84,6 +84,14 @@ def test_output_dir_with_a_checkpoint_of_another_model(tiny_qwen2_dir, task, tmp
                  "of another model", "hidden_size")
 
 
+def test_start_weights_from_a_checkpoint_of_another_model(tiny_qwen2_dir, task, tmp_path):
+    fake_checkpoint(tmp_path / "other", tiny_qwen2_dir, 5, num_hidden_layers=8)
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), 1),
+                  f"model.mcore_dir={tmp_path / 'other' / 'checkpoints' / 'step_00000005'}"],
+                 "of another model", "num_hidden_layers")
+
+
 def test_missing_model_directory(task, tmp_path):
     expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
                   *train_overrides(str(tmp_path / "nope"), task, str(tmp_path / "run"), 1)],
