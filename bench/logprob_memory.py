@@ -1,6 +1,7 @@
 """Peak memory of per-token log-probs (forward + backward) for one tensor-parallel rank:
 vocab-parallel (this project: logits of vocab/TP columns, cross-rank max/sum reductions)
-versus a naive full-vocabulary log-softmax.
+versus a naive full-vocabulary log-softmax; and, in fp32 and bf16, what the entropy costs with
+autograd (an entropy bonus in the loss) and without (entropy only reported, the default).
 
     python bench/logprob_memory.py [--tokens 2048] [--vocab 152064] [--tp 1 2 4 8]
 
@@ -29,23 +30,30 @@ def rss_mb() -> float:
     return 0.0
 
 
-def run_variant(kind: str, tokens: int, vocab: int, tp: int) -> dict:
+def run_variant(kind: str, tokens: int, vocab: int, tp: int, dtype: str = "float32",
+                entropy: str = "none") -> dict:
     import torch
 
     torch.manual_seed(0)
-    before = rss_mb()
     shard = vocab // tp
-    logits = torch.randn(tokens, shard, requires_grad=True)
+    fp32_logits_mb = tokens * shard * 4 / 2**20
+    before = rss_mb()
+    logits = torch.randn(tokens, shard, dtype=getattr(torch, dtype), requires_grad=True)
     targets = torch.randint(0, shard, (tokens,))
     if kind == "naive":
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+        logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+        loss = logp.sum()
     else:
         from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 
-        logp, _ = vocab_parallel_logprobs(logits, targets, real_vocab_size=shard)
-    logp.sum().backward()
+        logp, ent = vocab_parallel_logprobs(logits, targets, real_vocab_size=shard,
+                                            with_entropy=entropy != "none",
+                                            entropy_grad=entropy == "grad")
+        loss = logp.sum() + (ent.sum() if entropy == "grad" else 0.0)
+    loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_mb": peak - before, "logits_mb": logits.numel() * 4 / 2**20}
+    return {"peak_mb": peak - before, "logits_mb": logits.numel() * logits.element_size() / 2**20,
+            "fp32_logits_mb": fp32_logits_mb}
 
 
 def main() -> None:
@@ -56,13 +64,13 @@ def main() -> None:
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
-        kind, tp = args.variant.split(":")
-        print(json.dumps(run_variant(kind, args.tokens, args.vocab, int(tp))))
+        kind, tp, dtype, entropy = args.variant.split(":")
+        print(json.dumps(run_variant(kind, args.tokens, args.vocab, int(tp), dtype, entropy)))
         return
 
-    def measure(kind, tp):
+    def measure(kind, tp, dtype="float32", entropy="none"):
         out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--vocab",
-                              str(args.vocab), "--variant", f"{kind}:{tp}"],
+                              str(args.vocab), "--variant", f"{kind}:{tp}:{dtype}:{entropy}"],
                              capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
@@ -76,6 +84,18 @@ def main() -> None:
         result = measure("vocab_parallel", tp)
         print(f"vocab-parallel | {tp} | {result['logits_mb']:.0f} | {result['peak_mb']:.0f} | "
               f"{result['peak_mb'] / naive['peak_mb']:.2f}")
+    print()
+    print(f"entropy, TP={args.tp[0]}: peak per rank in units of one fp32 copy of the rank's "
+          "logits (what the loss step adds on top of the logits themselves)")
+    print("logits dtype | entropy | peak (MB) | peak / fp32 logits")
+    print("--- | --- | --- | ---")
+    for dtype in ("float32", "bfloat16"):
+        for entropy in ("none", "nograd", "grad"):
+            result = measure("vocab_parallel", args.tp[0], dtype, entropy)
+            label = {"none": "not computed", "nograd": "reported (no autograd, the default)",
+                     "grad": "in the loss (autograd)"}[entropy]
+            print(f"{dtype} | {label} | {result['peak_mb']:.0f} | "
+                  f"{result['peak_mb'] / result['fp32_logits_mb']:.1f}")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,19 @@ class ModelConfig:
     """Optional megatron-core dist checkpoint converted from ``hf_dir``; used instead of the
     safetensors when set (faster start for large models)."""
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype of the actor; ``auto`` is bfloat16 on GPU and float32 on CPU."""
+    """Parameter dtype of the actor; ``auto`` is bfloat16 on GPU and float32 on CPU.
+    ``float16`` is refused: it needs dynamic loss scaling, which this trainer does not wire."""
     recompute_activations: bool = False
     """Recompute transformer layers in the backward pass (megatron-core full recompute)."""
+
+    def __post_init__(self):
+        if self.params_dtype == "float16":
+            # megatron's fp16 optimizer scales the loss, but the scale must be applied in the
+            # backward (config.grad_scale_func) and an overflow must skip the step; neither is
+            # wired here, so float16 would train with updates of about zero
+            raise ValueError("model.params_dtype=float16 is not supported: it needs dynamic "
+                             "loss scaling, which this trainer does not wire; use bfloat16 "
+                             "(the same memory, no loss scaling needed) or float32")
 
 
 @dataclass(frozen=True)
@@ -47,15 +57,25 @@ class ParallelConfig:
     """Model chunks per pipeline stage (interleaved schedule); null for none. Needs at least
     PP micro-batches per step (micro-batches are re-cut to a multiple of PP)."""
     context_parallel_size: int = 1
-    """Context-parallel degree (sequence split across ranks for attention)."""
+    """Context-parallel degree; only 1 is supported (sequences are not split across ranks
+    yet: a larger value would make the ranks repeat each other's work)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism inside tensor-parallel groups (GPU only)."""
+    """Megatron sequence parallelism inside tensor-parallel groups; not supported yet (only
+    false is accepted)."""
 
     def __post_init__(self):
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                     "context_parallel_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
+        if self.context_parallel_size != 1:
+            raise ValueError(f"parallel.context_parallel_size={self.context_parallel_size} is "
+                             "not supported: sequences are not split across context-parallel "
+                             "ranks, which would only repeat each other's work; use 1 (and "
+                             "tensor/pipeline parallelism for long sequences)")
+        if self.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel=true is not supported yet (the actor "
+                             "does not scatter activations along the sequence); use false")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
             raise ValueError(

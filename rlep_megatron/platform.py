@@ -97,6 +97,21 @@ def apex_available() -> bool:
     return True
 
 
+def fused_softmax_available() -> bool:
+    """megatron's fused masked-softmax kernels (``scaled_upper_triang_masked_softmax_cuda``,
+    ``scaled_masked_softmax_cuda``): built by apex / Megatron-LM, not by megatron-core's wheel.
+    Without them ``masked_softmax_fusion`` would crash the local layer spec on a GPU as soon as
+    a batch shape selects the fused path."""
+    if not cuda_available():
+        return False
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def megatron_config_overrides() -> dict:
     """TransformerConfig fields this platform needs. On gloo, pipeline stages must not batch
     their sends and receives: with PP=2 the previous and the next stage are the same rank, gloo

@@ -27,7 +27,7 @@ def _reduce_sum(tensor: torch.Tensor, group) -> torch.Tensor:
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, real_vocab_size: int,
                             tp_rank: int = 0, tp_group=None, temperature: float = 1.0,
-                            with_entropy: bool = False
+                            with_entropy: bool = False, entropy_grad: bool = True
                             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-prob of ``targets`` (and optionally the entropy) under ``softmax(logits / T)``.
 
@@ -38,6 +38,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, real_vo
         tp_rank, tp_group: this rank's index and the tensor-parallel process group (None or a
             group of one for TP=1).
         temperature: logits are divided by it (the sampling temperature of the rollout).
+        entropy_grad: keep the entropy in the autograd graph (needed only when it is part of
+            the loss); otherwise it is computed without the ``[tokens, vocab]`` intermediates
+            that autograd would keep for the backward pass.
 
     Returns:
         ``(logp [...], entropy [...] or None)`` in float32.
@@ -64,7 +67,15 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, real_vo
     logp = target_logit - log_sum_exp
     entropy = None
     if with_entropy:
-        # H = log Z - E_p[shifted]; masked entries contribute exp(-inf) * -inf -> use where
-        weighted = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp)).sum(dim=-1)
-        entropy = log_sum_exp - _reduce_sum(weighted, tp_group) / sum_exp
+        # H = log Z - E_p[shifted]; masked (padded) entries give exp(-inf) * -inf = nan: 0
+        if entropy_grad:
+            weighted = torch.where(exp > 0, exp * shifted, torch.zeros_like(exp)).sum(dim=-1)
+            entropy = log_sum_exp - _reduce_sum(weighted, tp_group) / sum_exp
+        else:
+            with torch.no_grad():  # one [tokens, vocab] temporary, modified in place
+                product = exp * shifted
+                product.masked_fill_(exp == 0, 0.0)
+                weighted = product.sum(dim=-1)
+                del product
+                entropy = log_sum_exp - _reduce_sum(weighted, tp_group) / sum_exp
     return logp, entropy

@@ -69,7 +69,10 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         # without the mark the grad norm treats shards of TP ranks > 0 as duplicates.
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         # fused kernels are CUDA-only; on CPU use megatron's plain-torch paths
-        bias_dropout_fusion=on_gpu, masked_softmax_fusion=on_gpu, apply_rope_fusion=False,
+        # (the local spec's fused softmax needs kernels that only apex / Megatron-LM build)
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and (use_te or platform.fused_softmax_available()),
+        apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
         # micro-batches are cut by a token budget, so their shapes differ; pipeline stages

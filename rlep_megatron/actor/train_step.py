@@ -131,9 +131,11 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
 
         def loss_func(logits):
+            # the entropy is always reported; it needs autograd only as a loss term
             logp, entropy = vocab_parallel_logprobs(
                 logits[:, :-1], mb["input_ids"][:, 1:], info.dims.vocab_size, tp_rank,
-                tp_group, temperature, with_entropy=True)
+                tp_group, temperature, with_entropy=True,
+                entropy_grad=algo.entropy_coef != 0.0)
             zeros = torch.zeros_like(logp[:, :1])
             logp, entropy = torch.cat([zeros, logp], 1), torch.cat([zeros, entropy], 1)
             loss, metrics = policy_loss(

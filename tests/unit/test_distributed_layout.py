@@ -22,10 +22,21 @@ def test_data_parallel_size_is_what_remains():
     (4, layout(tp=4), 8, 2, 4, ["tensor_model_parallel_size=4", "query groups", "heads, 2)"]),
     (4, layout(pp=4), 4, 2, 6, ["num_layers=6", "pipeline_model_parallel_size (4)"]),
     (4, layout(pp=2, vpp=2), 4, 2, 6, ["num_layers=6", "virtual_pipeline", "= 4"]),
-    (6, layout(tp=2, cp=2), 4, 2, 4, ["world size 6", "context_parallel_size (2)"]),
 ])
 def test_bad_layouts_name_the_numbers(world, cfg, heads, groups, layers, needles):
     with pytest.raises(ValueError) as err:
         validate_parallel_layout(world, cfg, heads, groups, layers)
     for needle in needles:
         assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("parallel.context_parallel_size=2", "context_parallel_size=2 is not supported"),
+    ("parallel.sequence_parallel=true", "sequence_parallel=true is not supported"),
+    ("model.params_dtype=float16", "loss scaling"),
+])
+def test_keys_that_would_be_silently_ignored_are_refused(override, needle):
+    from rlep_megatron.config import load_config
+
+    with pytest.raises(ValueError, match=needle):
+        load_config(None, [override])

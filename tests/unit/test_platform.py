@@ -145,3 +145,21 @@ def test_megatron_accelerator_warnings_are_silenced():
         warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
         warnings.warn("something else", UserWarning)
     assert [str(w.message) for w in caught] == ["something else"]
+
+
+def test_no_fused_softmax_without_its_kernels_on_a_gpu(monkeypatch, tiny_qwen2_dir):
+    """The local layer spec on a GPU without apex's softmax kernels must not ask megatron for
+    the fused softmax (it imports them when a batch shape selects that path)."""
+    import sys
+
+    from rlep_megatron.actor.model import transformer_config
+    from rlep_megatron.checkpoint.hf_io import load_hf_config
+
+    monkeypatch.setattr(platform, "cuda_available", lambda: True)  # a GPU node, faked
+    for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"):
+        monkeypatch.setitem(sys.modules, name, None)
+    hf = load_hf_config(tiny_qwen2_dir)
+    assert transformer_config(hf, 1, 1, torch.bfloat16, use_te=False).masked_softmax_fusion \
+        is False
+    assert transformer_config(hf, 1, 1, torch.bfloat16, use_te=True).masked_softmax_fusion \
+        is True
