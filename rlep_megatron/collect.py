@@ -22,7 +22,6 @@ import os
 import shutil
 from typing import Optional
 
-import torch
 
 from rlep_megatron import distributed
 from rlep_megatron.checkpoint.staging import write_file_atomic
@@ -85,7 +84,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
             else:
                 write_file_atomic(job_file, json.dumps({"signature": signature,
                                                         "shards": len(shards)}))
-        torch.distributed.barrier()
+        distributed.barrier()
         tokenizer = engine.llm.get_tokenizer()
         done = 0
         for number, indices in enumerate(shards):
@@ -118,7 +117,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
             if rank0:
                 write_file_atomic(path, json.dumps({"rows": list(indices), "correct": correct,
                                                     "correct_counts": counts}))
-            torch.distributed.barrier()
+            distributed.barrier()
             done += 1
             logger.info("shard %d/%d: %d questions, %d with >= %d correct answers", number + 1,
                         len(shards), len(indices),
@@ -145,5 +144,5 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
                 "sample_accuracy": num_correct / max(1, len(rows) * c.num_samples_per_prompt)})
             shutil.rmtree(shard_dir, ignore_errors=True)
             logger.info("wrote pool %s: %s", out, stats)
-        torch.distributed.barrier()
+        distributed.barrier()
     return out

@@ -216,9 +216,7 @@ def map_across_ranks(function, items: list) -> list:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     n = len(items)
     local = list(function(list(items[rank * n // world:(rank + 1) * n // world])))
-    gathered: list = [None] * world
-    torch.distributed.all_gather_object(gathered, local)
-    return [result for part in gathered for result in part]
+    return [result for part in all_gather_object(local) for result in part]
 
 
 def communication_device(group=None) -> torch.device:
@@ -230,19 +228,74 @@ def communication_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+# ---------------------------------------------------------------------------------------------
+# collectives: package code calls these, never torch.distributed's directly (a unit test checks
+# it), so a tensor built on the CPU never reaches NCCL, which takes CUDA tensors only
+# ---------------------------------------------------------------------------------------------
+
+_OPS = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}
+
+
+def _on_comm_device(tensor: torch.Tensor, group) -> torch.Tensor:
+    device = communication_device(group)
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """In-place all-reduce (``sum`` or ``max``) of ``tensor`` wherever it lives; returns it.
+    Collective."""
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    work = _on_comm_device(tensor, group)
+    torch.distributed.all_reduce(work, op=_OPS[op], group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """In-place broadcast of ``tensor`` from global rank ``src``; returns it. Collective."""
+    work = _on_comm_device(tensor, group)
+    torch.distributed.broadcast(work, src=src, group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None) -> None:
+    """Every rank's ``tensor`` into ``outputs`` (one per rank of ``group``). Collective."""
+    device = communication_device(group)
+    if tensor.device == device and all(o.device == device for o in outputs):
+        torch.distributed.all_gather(outputs, tensor, group=group)
+        return
+    work = [torch.empty_like(o, device=device) for o in outputs]
+    torch.distributed.all_gather(work, tensor.to(device), group=group)
+    for out, got in zip(outputs, work):
+        out.copy_(got)
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, in rank order. Collective."""
+    gathered: list = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of ``group``. Collective."""
+    torch.distributed.barrier(group=group)
+
+
 def reduce_values(values: dict[str, float], op: str = "sum", group=None) -> dict[str, float]:
     """Named floats reduced over ``group`` (``sum`` or ``max``) in float64, one collective;
     every rank gets the result. Collective."""
-    ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX}
-    if op not in ops:
-        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
     keys = sorted(values)
     if not torch.distributed.is_initialized() or not keys:
         return dict(values)
-    buffer = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
-                          device=communication_device(group))
-    torch.distributed.all_reduce(buffer, op=ops[op], group=group)
-    return dict(zip(keys, buffer.cpu().tolist()))
+    buffer = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    return dict(zip(keys, all_reduce(buffer, op, group).tolist()))
 
 
 def broadcast_values(values: dict[str, float], src: int, group=None) -> dict[str, float]:
@@ -251,8 +304,5 @@ def broadcast_values(values: dict[str, float], src: int, group=None) -> dict[str
     keys = sorted(values)
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
         return dict(values)
-    buffer = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
-                          device=communication_device(group))
-    torch.distributed.broadcast(buffer, src=src, group=group)
-    return dict(zip(keys, buffer.cpu().tolist()))
-
+    buffer = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    return dict(zip(keys, broadcast(buffer, src, group).tolist()))

@@ -611,7 +611,7 @@ class Trainer:
         self.scorer.close()
         if failed:
             return
-        torch.distributed.barrier()
+        distributed.barrier()
         self.engine.shutdown()
 
 

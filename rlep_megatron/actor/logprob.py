@@ -54,8 +54,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, real_vo
     with torch.no_grad():
         max_logit = scaled.max(dim=-1, keepdim=True).values
         if tp_group is not None and torch.distributed.get_world_size(tp_group) > 1:
-            torch.distributed.all_reduce(max_logit, op=torch.distributed.ReduceOp.MAX,
-                                         group=tp_group)
+            from rlep_megatron import distributed
+
+            distributed.all_reduce(max_logit, "max", tp_group)
     shifted = scaled - max_logit
     exp = torch.exp(shifted)
     sum_exp = _reduce_sum(exp.sum(dim=-1), tp_group)

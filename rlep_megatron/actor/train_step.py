@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from rlep_megatron import distributed
 from rlep_megatron.actor.forward import fit_to_schedule
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 from rlep_megatron.actor.model import ActorModelInfo
@@ -76,7 +77,7 @@ def global_counts(batch: TrainBatch) -> tuple[float, float]:
     counts = torch.tensor([float(batch.response_mask.sum()),
                            float((batch.response_mask.sum(dim=1) > 0).sum())],
                           dtype=torch.float64)
-    torch.distributed.all_reduce(counts, group=ps.get_data_parallel_group())
+    distributed.all_reduce(counts, "sum", ps.get_data_parallel_group())
     return float(counts[0]), float(counts[1])
 
 
@@ -203,11 +204,11 @@ def _reduce_metrics(outputs: list[dict], is_last_stage: bool,
             for i, key in enumerate(max_keys):
                 ratio_max[i] = max(float(ratio_max[i]), out.get(key, 0.0))
     dp_group = ps.get_data_parallel_group()
-    torch.distributed.all_reduce(sums, group=dp_group)
-    torch.distributed.all_reduce(ratio_max, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+    distributed.all_reduce(sums, "sum", dp_group)
+    distributed.all_reduce(ratio_max, "max", dp_group)
     packed = torch.cat([sums, ratio_max])
-    torch.distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
-                                group=ps.get_pipeline_model_parallel_group())
+    distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
+                          group=ps.get_pipeline_model_parallel_group())
     values = dict(zip(keys, packed[:len(keys)].tolist()))
     result = {key: values[key] / max(values[_token_count_key(key)], 1.0) for key in token_means}
     result.update(pg_loss=values["pg_loss"], kl=values["kl"], num_tokens=values["num_tokens"],

@@ -29,6 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from rlep_megatron import distributed
+
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -181,9 +183,9 @@ class CheckpointManager:
             os.makedirs(self.root, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(os.path.join(partial, "dist"))
-        torch.distributed.barrier()
+        distributed.barrier()
         dist_checkpointing.save(self._sharded_state(trainer), os.path.join(partial, "dist"))
-        torch.distributed.barrier()
+        distributed.barrier()
         if rank0:
             torch.save(self._trainer_state(trainer), os.path.join(partial, "trainer_state.pt"))
             meta = {"step": trainer.step, "model": self.fingerprint, "layout": self._layout(),
@@ -198,7 +200,7 @@ class CheckpointManager:
             for _, old in list_checkpoints(self.root)[:-self.cfg.checkpoint.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
             logger.info("saved checkpoint %s", final)
-        torch.distributed.barrier()
+        distributed.barrier()
         return final
 
     def maybe_resume(self, trainer) -> bool:

@@ -168,9 +168,10 @@ class RolloutEngine:
         """Every replica's responses on every rank (one copy per replica is taken)."""
         if self.dp_size == 1:
             return local
-        gathered: list = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(
-            gathered, local if self.rank % self.tp_size == 0 else None)
+        from rlep_megatron import distributed
+
+        gathered = distributed.all_gather_object(local if self.rank % self.tp_size == 0
+                                                 else None)
         merged = [group for part in gathered if part is not None for group in part]
         if len(merged) != num_prompts:
             raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "

@@ -61,10 +61,8 @@ def engine_and_scorer(cfg, checkpoint: str, seed: int):
     except BaseException:
         scorer.close()
         raise
-    import torch
-
     scorer.close()
-    torch.distributed.barrier()
+    distributed.barrier()
     engine.shutdown()
     distributed.destroy()
 

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from rlep_megatron import distributed
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import ActorModelInfo
 
@@ -61,8 +62,8 @@ def actor_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo, input_id
         device = next(chunks[0].parameters()).device
         buf = (logp.to(device, torch.float32) if logp is not None
                else torch.empty(input_ids.shape, dtype=torch.float32, device=device))
-        torch.distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
-                                    group=ps.get_pipeline_model_parallel_group())
+        distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                              group=ps.get_pipeline_model_parallel_group())
         logp = buf.cpu()
     return logp
 

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from rlep_megatron import distributed
 from rlep_megatron.actor.model import ActorModelInfo, iter_params_with_rules, unwrap
 from rlep_megatron.checkpoint import architecture_for, layout
 
@@ -125,9 +126,8 @@ class WeightStreamer:
                                      tp_split, outputs))
                 self._params.append((param, rule, layer))
         if self._pp_size > 1:
-            gathered: list = [None] * self._pp_size
-            torch.distributed.all_gather_object(gathered, own, group=self._pp_group)
-            self.stage_entries: list[list[RuleEntry]] = gathered
+            self.stage_entries: list[list[RuleEntry]] = distributed.all_gather_object(
+                own, group=self._pp_group)
         else:
             self.stage_entries = [own]
         self.buckets = plan_buckets(self.stage_entries, self.bucket_bytes)
@@ -159,8 +159,7 @@ class WeightStreamer:
                 for entry, piece in zip(split, torch.split(flat, sizes)):
                     piece.copy_(self._params[entry.index][0].detach().reshape(-1))
             out = torch.empty(self._tp_size * flat.numel(), dtype=dtype, device=flat.device)
-            torch.distributed.all_gather(list(out.chunk(self._tp_size)), flat,
-                                         group=self._tp_group)
+            distributed.all_gather(list(out.chunk(self._tp_size)), flat, group=self._tp_group)
             del flat
             rule = self._params[split[0].index][1]
             if len(split) == 1 and rule.tp_dim == 0 and rule.kind != "gate_up":
@@ -196,7 +195,6 @@ class WeightStreamer:
             if bucket.stage == self._pp_rank:
                 for piece, tensor in zip(pieces, self._gather_bucket(bucket)):
                     piece.copy_(tensor.reshape(-1))
-            torch.distributed.broadcast(flat, src=self._pp_ranks[bucket.stage],
-                                        group=self._pp_group)
+            distributed.broadcast(flat, src=self._pp_ranks[bucket.stage], group=self._pp_group)
             for spec, piece in zip(specs, pieces):
                 yield spec.name, piece.view(spec.shape)
