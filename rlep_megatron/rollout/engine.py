@@ -97,6 +97,7 @@ class RolloutEngine:
         self._stale_reason: Optional[str] = None if load_weights else (
             "it was started with dummy weights and no weight sync has completed yet")
         self._asleep = False
+        self._kv_cache_asleep = False
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
@@ -146,6 +147,7 @@ class RolloutEngine:
                 f"{self._stale_reason}. Run a complete weight sync first.")
         if self._asleep:
             raise RuntimeError("refusing to generate: the engine is asleep (call wake_up)")
+        self._wake_kv_cache()
         cfg = self.cfg
         n = cfg.num_samples_per_prompt if n is None else n
         temperature = cfg.temperature if temperature is None else temperature
@@ -232,10 +234,25 @@ class RolloutEngine:
         self._stale_reason = "it slept (weights released) and has not been synced since"
 
     def wake_up(self) -> None:
+        """Staged: the weights' memory comes back now, for the weight sync; the KV cache only
+        when generation next needs it (:meth:`_wake_kv_cache`), so the sync's buckets never
+        share the GPU with a full KV cache. vLLM resumes scheduling once both are back."""
         if not self._asleep:
             return
-        self.llm.wake_up()
+        self.llm.wake_up(tags=["weights"])
         self._asleep = False
+        self._kv_cache_asleep = True
+
+    def _wake_kv_cache(self) -> None:
+        if self._kv_cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_cache_asleep = False
+
+    def memory_state(self) -> str:
+        """``awake``, ``asleep`` or ``weights only`` (for logs and tests)."""
+        if self._asleep:
+            return "asleep"
+        return "weights only" if self._kv_cache_asleep else "awake"
 
     @contextlib.contextmanager
     def released(self):

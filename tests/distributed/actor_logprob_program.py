@@ -18,6 +18,7 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hf_config = load_hf_config(args.hf_dir)
@@ -27,7 +28,7 @@ def main():
         seed=0, num_attention_heads=hf_config["num_attention_heads"],
         num_query_groups=hf_config["num_key_value_heads"],
         num_layers=hf_config["num_hidden_layers"])
-    chunks, info = build_from_hf(args.hf_dir, "float32")
+    chunks, info = build_from_hf(args.hf_dir, args.dtype)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
     result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2, with_entropy=True)
     from megatron.core import parallel_state as ps

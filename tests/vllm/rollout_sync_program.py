@@ -67,6 +67,9 @@ def main():
     parser.add_argument("--layouts", default="1x1", help="comma-separated actor TPxPP")
     parser.add_argument("--bucket-bytes", type=int, default=96 * 1024)
     parser.add_argument("--fail-sync", action="store_true")
+    parser.add_argument("--sleep-cycle", action="store_true",
+                        help="after the layouts: sleep, wake (weights), sync, generate, probe")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hf_config = load_hf_config(args.hf_dir)
@@ -74,7 +77,7 @@ def main():
     rank = torch.distributed.get_rank()
     cfg = RolloutConfig(num_samples_per_prompt=2, tensor_model_parallel_size=args.rollout_tp,
                         max_response_tokens=20, temperature=1.0)
-    engine = RolloutEngine(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=128)
+    engine = RolloutEngine(args.hf_dir, cfg, dtype=args.dtype, seed=0, max_model_len=128)
     prompts = [chat(p) for p in PROMPTS]
     report = {"rollout_dp": engine.dp_size, "layouts": {}}
 
@@ -97,10 +100,10 @@ def main():
             seed=number, num_attention_heads=hf_config["num_attention_heads"],
             num_query_groups=hf_config["num_key_value_heads"],
             num_layers=hf_config["num_hidden_layers"])
-        chunks, info = build_from_hf(args.hf_dir, "float32")
+        chunks, info = build_from_hf(args.hf_dir, args.dtype)
         optim_cfg = OptimConfig(lr=2e-2, lr_warmup_steps=0, weight_decay=0.0, clip_grad=1.0)
         chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
-        optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
+        optimizer = build_optimizer(chunks, optim_cfg, info.params_dtype)
         streamer = WeightStreamer(chunks, info, args.bucket_bytes)
         entry = {"buckets": len(streamer.buckets), "tensors": len(streamer.names)}
         # the engine holds the previous layout's (or the checkpoint's) weights: step away first
@@ -141,6 +144,16 @@ def main():
             sync_weights(engine, streamer)
             recovered = engine.generate(prompts, seed=31)
             entry["parity_recovered"] = probe(chunks, info, prompts, recovered, PAD)
+        if args.sleep_cycle and number == len(layouts) - 1:
+            # the trainer's cycle around an update: release the engine (GPU sleep mode), wake
+            # the weights, sync, then generate (which wakes the KV cache) and compare
+            with engine.released():
+                take_step(chunks, optimizer, info, ctx, prompts, after, seed=300 + number)
+            entry["memory_after_wake"] = engine.memory_state()
+            sync_weights(engine, streamer)
+            cycled = engine.generate(prompts, seed=51 + number)
+            entry["memory_after_generate"] = engine.memory_state()
+            entry["parity_after_sleep"] = probe(chunks, info, prompts, cycled, PAD)
         report["layouts"][f"{tp}x{pp}"] = entry
         if rank == 0:
             print(f"layout TP{tp}xPP{pp}: {json.dumps(entry)}", flush=True)
