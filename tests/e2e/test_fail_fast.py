@@ -8,8 +8,11 @@ import time
 import pytest
 
 from tests.e2e.helpers import read_jsonl, recipe, run_rlep, small_task, train_overrides
+from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+requires("vllm")
 
 
 @pytest.fixture(scope="module")

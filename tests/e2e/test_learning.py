@@ -19,8 +19,11 @@ import pytest
 from rlep_megatron.tiny_model import make_tiny_model
 from rlep_megatron.tiny_task import make_tiny_task, warm_start
 from tests.e2e.helpers import read_jsonl, recipe, run_rlep
+from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+requires("vllm")
 
 WARM_START_STEPS = 1200
 STEPS = 16

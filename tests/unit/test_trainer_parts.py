@@ -1,7 +1,6 @@
 """Pure parts of the RL loop, checked directly: the rows and loss mask the actor trains on, the
 optimizer mini-batch plan, and the reward of replays (re-scored, overlong shaping included)."""
 import pytest
-import torch
 
 from rlep_megatron.config import load_config
 from rlep_megatron.data import PromptRows
