@@ -309,7 +309,14 @@ class TrainerConfig:
     (so RLEP's G' = G + M groups take more optimizer steps); ``sequences``: a fixed number of
     sequences per optimizer step."""
     micro_batch_max_tokens: int = 16384
-    """Token budget of one micro-batch (padded length x sequences) per data-parallel rank."""
+    """Token budget of one micro-batch per data-parallel rank: the sum of the sequences'
+    tokens with ``sequence_packing``, padded length x sequences without."""
+    sequence_packing: bool = True
+    """Pack sequences into micro-batches (megatron's THD layout: attention within each
+    sequence, positions restarting per sequence), token-balanced, instead of padding each
+    micro-batch to its longest sequence; the log-probs and the loss are the same within
+    float rounding. Sequences are split across data-parallel ranks by token count either way.
+    """
     validation_interval_steps: int = 5
     """Validate every N steps (and at step 0); 0 disables validation."""
     log_all_ranks: bool = False

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from rlep_megatron import distributed, faults
+from rlep_megatron.actor.packing import balanced_partition
 from rlep_megatron.config import RunConfig, dump_config
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class StepBatch:
     prompts: list[list[int]]                 # prompt token ids per group
     sequences: list[Sample] = field(default_factory=list)
     generation_rounds: int = 1
+    generated_tokens: int = 0                # every round's responses, kept or not
 
 
 class Timer:
@@ -104,6 +106,20 @@ def training_rows(prompts: list[list[int]], responses: list[list[int]], pad_id: 
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     starts = torch.tensor([len(p) for p in prompts])[:, None]
     return ids, ((positions >= starts) & (positions < lengths[:, None])).float()
+
+
+def _throughput(batch: StepBatch, timings: dict[str, float]) -> dict[str, float]:
+    """``timing/<phase>_tokens_per_s``: generated tokens per second of the rollout phase, and
+    tokens (prompt + response) of the trained sequences per second of the old-log-prob and
+    train phases (each optimizer step passes every sequence once)."""
+    tokens = sum(len(batch.prompts[s.group]) + len(s.token_ids) for s in batch.sequences)
+    out = {}
+    for phase, count in (("rollout", batch.generated_tokens), ("old_logprob", tokens),
+                         ("train", tokens)):
+        seconds = timings.get(f"timing/{phase}_s", 0.0)
+        if seconds > 0:
+            out[f"timing/{phase}_tokens_per_s"] = count / seconds
+    return out
 
 
 def _mean(values) -> float:
@@ -260,6 +276,7 @@ class Trainer:
         groups = self.engine.generate(batch.prompts, seed=seed)
         for group, responses in enumerate(groups):
             for r in responses:
+                batch.generated_tokens += len(r.token_ids)
                 batch.sequences.append(Sample(group, r.token_ids, r.text, FRESH, r.logprobs,
                                                 r.finish_reason))
         return batch
@@ -331,6 +348,7 @@ class Trainer:
         rounds = 0
         while len(kept.rows) < want and rounds < self.cfg.algo.max_generation_rounds:
             candidate = self._generate_round(timer, rounds)
+            kept.generated_tokens += candidate.generated_tokens
             rounds += 1
             by_group: dict[int, list[Sample]] = {}
             for s in candidate.sequences:
@@ -377,7 +395,10 @@ class Trainer:
 
         algo = self.cfg.algo
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
-        mine = indices[dp_rank * len(indices) // dp:(dp_rank + 1) * len(indices) // dp]
+        # split across DP ranks by token count, so that no rank waits on the longest sequences
+        sizes = [len(batch.prompts[batch.sequences[i].group]) + len(batch.sequences[i].token_ids)
+                 for i in indices]
+        mine = [indices[j] for j in balanced_partition(sizes, dp)[dp_rank]]
         # a mini-batch with fewer sequences than DP ranks leaves some ranks none: they still
         # take part in every collective, with one fully masked row (no loss, no gradient)
         placeholder = not mine
@@ -387,10 +408,15 @@ class Trainer:
                                   [s.token_ids for s in seqs], self.pad_id)
         if placeholder:
             mask.zero_()
-        micro = max(1, self.cfg.trainer.micro_batch_max_tokens // max(1, ids.shape[1]))
+        budget = self.cfg.trainer.micro_batch_max_tokens
+        micro = max(1, budget // max(1, ids.shape[1]))
+        batching = {"lengths": torch.tensor([len(batch.prompts[s.group]) + len(s.token_ids)
+                                             for s in seqs]),
+                    "pack_max_tokens": budget if self.cfg.trainer.sequence_packing else None}
         temperature = self.cfg.rollout.temperature
-        old = actor_logprobs(self.chunks, self.info, ids, micro, temperature, everywhere=False)
-        ref = (self.reference.logprobs(ids, micro, temperature)
+        old = actor_logprobs(self.chunks, self.info, ids, micro, temperature, everywhere=False,
+                             **batching)
+        ref = (self.reference.logprobs(ids, micro, temperature, **batching)
                if self.reference is not None else None)
         if old is None:
             # not the last pipeline stage: it only feeds activations forward; the loss and the
@@ -483,7 +509,8 @@ class Trainer:
         results = [train_mini_batch(self.chunks, self.optimizer, self.info, tb, self.cfg.algo,
                                     self.cfg.trainer.micro_batch_max_tokens,
                                     temperature=self.cfg.rollout.temperature,
-                                    replay_clip_high=self.cfg.replay.clip_ratio_high)
+                                    replay_clip_high=self.cfg.replay.clip_ratio_high,
+                                    sequence_packing=self.cfg.trainer.sequence_packing)
                    for tb in train_batches]
         out = {}
         for key in results[0]:
@@ -563,6 +590,7 @@ class Trainer:
         metrics = self.step_metrics(batch, train, old_metrics)
         metrics.update(timer.values)
         metrics["timing/step_s"] = time.perf_counter() - step_start
+        metrics.update(_throughput(batch, timer.values))
         return metrics
 
     def run(self) -> None:

@@ -58,54 +58,89 @@ def fit_to_schedule(groups: list[list[int]], chunks: list[torch.nn.Module]) -> l
 
 def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
                       input_ids: torch.Tensor, micro_batch_size: int = 4,
-                      temperature: float = 1.0, with_entropy: bool = False
+                      temperature: float = 1.0, with_entropy: bool = False,
+                      lengths: Optional[torch.Tensor] = None,
+                      pack_max_tokens: Optional[int] = None
                       ) -> Optional[dict[str, torch.Tensor]]:
     """Log-probs of every token given its prefix.
 
     Args:
         input_ids: ``[n, seq]`` right-padded token ids, identical on every rank.
+        micro_batch_size: rows per micro-batch (padded micro-batches).
+        lengths: ``[n]`` tokens of each row (default: every column); only packing reads it.
+        pack_max_tokens: pack the sequences (actor/packing.py) into micro-batches of at most
+            this many tokens instead of padded micro-batches of ``micro_batch_size`` rows.
 
     Returns (last pipeline stage only): ``{"logp": [n, seq], "entropy": [n, seq]}`` where
     column t is about token t given tokens < t; column 0 is 0 (no prefix). Values at padded
-    positions are meaningless: mask them with the sequence lengths.
+    positions are meaningless (0 when packed): mask them with the sequence lengths.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from rlep_megatron.actor import packing
+
     n, seq_len = input_ids.shape
-    groups = fit_to_schedule([list(range(i, min(i + micro_batch_size, n)))
-                              for i in range(0, n, micro_batch_size)], chunks)
     device = next(chunks[0].parameters()).device
     tp_group = ps.get_tensor_model_parallel_group()
     tp_rank = ps.get_tensor_model_parallel_rank()
+    interleaved = len(chunks) > 1
+    if pack_max_tokens is not None:
+        lengths = (torch.full((n,), seq_len, dtype=torch.long) if lengths is None
+                   else lengths.to(torch.long))
+        pp = ps.get_pipeline_model_parallel_world_size()
+        groups = packing.pack_by_token_budget(lengths.tolist(), pack_max_tokens,
+                                              multiple_of=pp if interleaved else 1)
+        # the interleaved schedule exchanges fixed shapes: every pack gets the largest's size
+        pad_to = (max(int(lengths[g].sum()) for g in groups) if interleaved else None)
+        batches = [packing.packed_micro_batch(input_ids, lengths, g, pad_to) for g in groups]
+        shape = {"seq_length": max(int(b["input_ids"].shape[1]) for b in batches),
+                 "micro_batch_size": 1}
+    else:
+        groups = fit_to_schedule([list(range(i, min(i + micro_batch_size, n)))
+                                  for i in range(0, n, micro_batch_size)], chunks)
+        # the interleaved schedule needs micro-batches of one shape (see train_step)
+        batches = micro_batches(input_ids, groups,
+                                num_rows=max(len(g) for g in groups) if interleaved else 0)
+        shape = {"seq_length": seq_len, "micro_batch_size": max(len(g) for g in groups)}
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         ids = batch["input_ids"].to(device)
-        keep = batch["num_rows"]
-        output = model(ids, batch["position_ids"].to(device), attention_mask=None)
+        packed = "cu_seqlens" in batch
+        extra = ({"packed_seq_params": packing.packed_seq_params(
+            {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")})} if packed else {})
+        output = model(ids, batch["position_ids"].to(device), attention_mask=None, **extra)
 
         def collect(logits):
             logp, entropy = vocab_parallel_logprobs(
                 logits[:, :-1], ids[:, 1:], info.dims.vocab_size, tp_rank, tp_group,
                 temperature, with_entropy)
             zeros = torch.zeros(ids.shape[0], 1, dtype=logp.dtype, device=logp.device)
-            result = {"logp": torch.cat([zeros, logp], dim=1).detach()[:keep]}
+            values = {"logp": torch.cat([zeros, logp], dim=1).detach()}
             if with_entropy:
-                result["entropy"] = torch.cat([zeros, entropy], dim=1).detach()[:keep]
+                values["entropy"] = torch.cat([zeros, entropy], dim=1).detach()
+            if packed:
+                unpack_at = {k: batch[k].to(device) for k in ("unpack_index", "unpack_valid")}
+                result = {k: packing.unpack(v, unpack_at) for k, v in values.items()}
+            else:
+                result = {k: v[:batch["num_rows"]] for k, v in values.items()}
             return torch.zeros((), device=logp.device), result
 
         return output, collect
 
-    # the interleaved schedule needs micro-batches of one shape (see train_step)
-    batches = micro_batches(input_ids, groups,
-                            num_rows=max(len(g) for g in groups) if len(chunks) > 1 else 0)
-    iterators = ([iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches))
+    iterators = ([iter(batches) for _ in chunks] if interleaved else iter(batches))
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
-            model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(batches),
-            seq_length=seq_len, micro_batch_size=max(len(g) for g in groups), forward_only=True)
+            model=chunks if interleaved else chunks[0], num_microbatches=len(batches),
+            forward_only=True, **shape)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return {key: torch.cat([o[key] for o in outputs], dim=0).cpu() for key in outputs[0]}
+    result = {}
+    for key in outputs[0]:
+        full = torch.zeros(n, seq_len, dtype=outputs[0][key].dtype)
+        for rows, out in zip(groups, outputs):
+            full[rows, :out[key].shape[1]] = out[key].cpu()
+        result[key] = full
+    return result

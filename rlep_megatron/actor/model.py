@@ -115,7 +115,10 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from rlep_megatron.actor.packing import packed_local_attention
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        # the local attention with THD-packed sequences (sequence packing, actor/packing.py)
+        spec.submodules.self_attention.submodules.core_attention = packed_local_attention()
     padded = layout.padded_vocab_size(dims.vocab_size, tp)
     chunks = []
     device = torch.device("meta") if on_meta_device else _current_device()

@@ -49,12 +49,14 @@ class ReferencePolicy:
         finally:
             self._move(torch.device("cpu"))
 
-    def logprobs(self, input_ids: torch.Tensor, micro_batch_size: int, temperature: float
+    def logprobs(self, input_ids: torch.Tensor, micro_batch_size: int, temperature: float,
+                 lengths: Optional[torch.Tensor] = None, pack_max_tokens: Optional[int] = None
                  ) -> Optional[torch.Tensor]:
         """Per-token log-probs of the right-padded ``input_ids`` on the last pipeline stage
-        (``None`` elsewhere), as the actor's old log-probs. Collective."""
+        (``None`` elsewhere), batched exactly as the actor's old log-probs. Collective."""
         from rlep_megatron.rollout.parity import actor_logprobs
 
         with self.on_device() as chunks:
             return actor_logprobs(chunks, self.info, input_ids, micro_batch_size, temperature,
-                                  everywhere=False)
+                                  everywhere=False, lengths=lengths,
+                                  pack_max_tokens=pack_max_tokens)

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from rlep_megatron import distributed
+from rlep_megatron.actor import packing
 from rlep_megatron.actor.forward import fit_to_schedule
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 from rlep_megatron.actor.model import ActorModelInfo
@@ -103,13 +104,34 @@ def _micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int],
     return out
 
 
+def _packed_micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int],
+                        pad_to: Optional[int] = None) -> dict:
+    """Rows of the batch packed into one sequence of tokens (:func:`packing.packed_micro_batch`)
+    with their loss inputs as ``[rows, longest]``, aligned like the unpacked log-probs."""
+    out = packing.packed_micro_batch(batch.input_ids, lengths, rows, pad_to)
+    width = int(out["unpack_index"].shape[1])
+    index = torch.tensor(rows)
+    out.update({"response_mask": batch.response_mask[index, :width].float(),
+                "old_logp": batch.old_logp[index, :width].float(),
+                "advantages": batch.advantages[index].float(),
+                "is_replay": batch.is_replay[index]})
+    for key in ("ref_logp", "token_weights"):
+        value = getattr(batch, key)
+        if value is not None:
+            out[key] = value[index, :width].float()
+    return out
+
+
 def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                      info: ActorModelInfo, batch: TrainBatch, algo: AlgoConfig,
                      micro_batch_max_tokens: int, temperature: float = 1.0,
-                     replay_clip_high: Optional[float] = None) -> dict[str, float]:
+                     replay_clip_high: Optional[float] = None,
+                     sequence_packing: bool = False) -> dict[str, float]:
     """Forward/backward over the mini-batch and one optimizer step; returns metrics (same on
     every rank). With ``batch.ref_logp`` the metrics carry the KL estimators (``kl_k1`` ...,
-    split fresh/replay)."""
+    split fresh/replay). ``sequence_packing`` packs the rows into token-balanced micro-batches
+    of at most ``micro_batch_max_tokens`` real tokens (actor/packing.py); otherwise
+    micro-batches are consecutive rows, padded, within rows x longest <= the budget."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -117,19 +139,38 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     global_tokens, global_sequences = global_counts(batch)
     lengths = batch.lengths()
-    groups = fit_to_schedule(split_by_token_budget(lengths.tolist(), micro_batch_max_tokens),
-                             chunks)
-    # the interleaved (virtual pipeline) schedule exchanges fixed-shape buffers between stages:
-    # give every micro-batch the shape of the largest
-    shape = ({"length": int(lengths.max()), "num_rows": max(len(g) for g in groups)}
-             if len(chunks) > 1 else {})
-    micro_batches = [_micro_batch(batch, lengths, rows, **shape) for rows in groups]
+    interleaved = len(chunks) > 1
+    if sequence_packing:
+        groups = packing.pack_by_token_budget(
+            lengths.tolist(), micro_batch_max_tokens,
+            multiple_of=ps.get_pipeline_model_parallel_world_size() if interleaved else 1)
+        # the interleaved schedule exchanges fixed shapes: every pack gets the largest's size
+        pad_to = max(int(lengths[g].sum()) for g in groups) if interleaved else None
+        micro_batches = [_packed_micro_batch(batch, lengths, rows, pad_to) for rows in groups]
+        schedule_shape = {"seq_length": max(int(mb["input_ids"].shape[1])
+                                            for mb in micro_batches), "micro_batch_size": 1}
+    else:
+        groups = fit_to_schedule(split_by_token_budget(lengths.tolist(), micro_batch_max_tokens),
+                                 chunks)
+        pad_to = None
+        # the interleaved (virtual pipeline) schedule exchanges fixed-shape buffers between
+        # stages: give every micro-batch the shape of the largest
+        shape = ({"length": int(lengths.max()), "num_rows": max(len(g) for g in groups)}
+                 if interleaved else {})
+        micro_batches = [_micro_batch(batch, lengths, rows, **shape) for rows in groups]
+        schedule_shape = {"seq_length": max(int(mb["input_ids"].shape[1])
+                                            for mb in micro_batches),
+                          "micro_batch_size": max(len(g) for g in groups)}
+    real_tokens, token_slots = packing.padding_fraction(lengths.tolist(), groups,
+                                                        sequence_packing, pad_to)
     # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
     compensation = len(micro_batches) * ps.get_data_parallel_world_size()
 
     def forward_step(data_iterator, model):
         mb = {k: v.to(device) for k, v in next(data_iterator).items()}
-        output = model(mb["input_ids"], mb["position_ids"], attention_mask=None)
+        packed = "cu_seqlens" in mb
+        extra = {"packed_seq_params": packing.packed_seq_params(mb)} if packed else {}
+        output = model(mb["input_ids"], mb["position_ids"], attention_mask=None, **extra)
 
         def loss_func(logits):
             # the entropy is always reported; it needs autograd only as a loss term
@@ -139,6 +180,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                 entropy_grad=algo.entropy_coef != 0.0)
             zeros = torch.zeros_like(logp[:, :1])
             logp, entropy = torch.cat([zeros, logp], 1), torch.cat([zeros, entropy], 1)
+            if packed:  # back to [rows, columns], like the batch's other tensors
+                logp, entropy = packing.unpack(logp, mb), packing.unpack(entropy, mb)
             loss, metrics = policy_loss(
                 logp, mb["old_logp"], mb["advantages"], mb["response_mask"],
                 algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c,
@@ -154,18 +197,20 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         return output, loss_func
 
     optimizer.zero_grad(chunks)
-    max_len = max(int(mb["input_ids"].shape[1]) for mb in micro_batches)
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=[iter(micro_batches) for _ in chunks] if len(chunks) > 1
+        data_iterator=[iter(micro_batches) for _ in chunks] if interleaved
         else iter(micro_batches),
-        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(micro_batches),
-        seq_length=max_len, micro_batch_size=max(len(g) for g in groups), forward_only=False)
+        model=chunks if interleaved else chunks[0], num_microbatches=len(micro_batches),
+        forward_only=False, **schedule_shape)
     applied, grad_norm = optimizer.step()
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True),
                               with_kl=batch.ref_logp is not None)
+    slots = distributed.reduce_values({"real": float(real_tokens), "slots": float(token_slots)},
+                                      "sum", ps.get_data_parallel_group())
     metrics.update({"grad_norm": grad_norm, "step_applied": float(applied),
-                    "lr": optimizer.current_lr(), "num_micro_batches": float(len(groups))})
+                    "lr": optimizer.current_lr(), "num_micro_batches": float(len(groups)),
+                    "padding_frac": 1.0 - slots["real"] / max(slots["slots"], 1.0)})
     return metrics
 
 

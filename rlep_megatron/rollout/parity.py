@@ -48,7 +48,8 @@ def logprob_abs_diff(engine_logprobs: Sequence[Sequence[float]], actor_logp: tor
 
 def actor_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo, input_ids: torch.Tensor,
                    micro_batch_size: int = 8, temperature: float = 1.0,
-                   everywhere: bool = True) -> Optional[torch.Tensor]:
+                   everywhere: bool = True, lengths: Optional[torch.Tensor] = None,
+                   pack_max_tokens: Optional[int] = None) -> Optional[torch.Tensor]:
     """The actor's per-token log-probs ``[n, seq]`` of the right-padded ``input_ids``, computed
     on the last pipeline stage; with ``everywhere`` broadcast over the pipeline group to every
     stage, otherwise ``None`` on the other stages (which only feed activations forward).
@@ -56,7 +57,8 @@ def actor_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo, input_id
     from megatron.core import parallel_state as ps
 
     result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=micro_batch_size,
-                               temperature=temperature)
+                               temperature=temperature, lengths=lengths,
+                               pack_max_tokens=pack_max_tokens)
     logp: Optional[torch.Tensor] = None if result is None else result["logp"]
     if everywhere and ps.get_pipeline_model_parallel_world_size() > 1:
         device = next(chunks[0].parameters()).device

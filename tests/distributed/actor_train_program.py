@@ -9,6 +9,7 @@ from rlep_megatron import distributed
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
+from rlep_megatron.actor.packing import balanced_partition
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
 from rlep_megatron.weight_sync.streamer import WeightStreamer
@@ -55,6 +56,9 @@ def main():
                         help="megatron's distributed optimizer (optimizer state sharded over DP)")
     parser.add_argument("--adam-eps", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--packing", action="store_true",
+                        help="sequence packing for the old log-probs and the step, and the "
+                             "token-balanced split over data-parallel ranks")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     ctx = distributed.init_model_parallel(
@@ -74,25 +78,33 @@ def main():
 
     input_ids, response_mask, advantages, is_replay, noise = global_batch()
     # old log-probs: the current policy's, perturbed so ratios leave the clip range
-    old = sequence_logprobs(chunks, info, input_ids, micro_batch_size=NUM_SEQUENCES)
+    lengths = (response_mask * torch.arange(input_ids.shape[1])).max(dim=1).values + 1
+    packing = ({"lengths": lengths, "pack_max_tokens": args.micro_batch_max_tokens}
+               if args.packing else {})
+    old = sequence_logprobs(chunks, info, input_ids, micro_batch_size=NUM_SEQUENCES, **packing)
     from megatron.core import parallel_state as ps
 
     old_logp = torch.zeros(input_ids.shape) if old is None else old["logp"]
     torch.distributed.broadcast(old_logp, src=ps.get_pipeline_model_parallel_last_rank(),
                                 group=ps.get_pipeline_model_parallel_group())
+    clean_old_logp = old_logp.clone()
     old_logp = old_logp + noise
-    rows = slice(ctx.data_parallel_rank * NUM_SEQUENCES // ctx.data_parallel_size,
-                 (ctx.data_parallel_rank + 1) * NUM_SEQUENCES // ctx.data_parallel_size)
+    dp, dp_rank = ctx.data_parallel_size, ctx.data_parallel_rank
+    if args.packing:
+        rows = torch.tensor(balanced_partition(lengths.tolist(), dp)[dp_rank])
+    else:
+        rows = torch.arange(dp_rank * NUM_SEQUENCES // dp, (dp_rank + 1) * NUM_SEQUENCES // dp)
     batch = TrainBatch(input_ids[rows], response_mask[rows], old_logp[rows], advantages[rows],
                        is_replay[rows])
     metrics = train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(),
-                               args.micro_batch_max_tokens)
+                               args.micro_batch_max_tokens, sequence_packing=args.packing)
     # every rank receives every HF tensor from the weight-sync stream
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
     if torch.distributed.get_rank() == 0:
         inner = getattr(optimizer.optimizer, "chained_optimizers", [optimizer.optimizer])
         torch.save({"weights": merged, "metrics": metrics, "old_logp": old_logp,
+                    "clean_old_logp": clean_old_logp, "lengths": lengths,
                     "optimizers": [type(o).__name__ for o in inner],
                     "adam_state_numel": adam_state_numel(optimizer)}, args.out)
     distributed.destroy()

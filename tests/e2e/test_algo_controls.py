@@ -41,7 +41,8 @@ def without_timings(entry):
 
 def test_kl_with_pipeline_parallel_resumes_bit_for_bit(tiny_qwen2_dir, task, pool, tmp_path):
     common = ["parallel.pipeline_model_parallel_size=2", "rollout.tensor_model_parallel_size=1",
-              "algo.kl_coef=0.05", "algo.kl_estimator=k3", "algo.rollout_correction=truncate"]
+              "algo.kl_coef=0.05", "algo.kl_estimator=k3", "algo.rollout_correction=truncate",
+              "trainer.sequence_packing=true"]  # packed through the pipeline, reference too
     straight = train(tiny_qwen2_dir, task, pool, tmp_path / "straight", 4, *common)
     train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 2, *common)
     resumed = train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 4, *common)

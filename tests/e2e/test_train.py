@@ -92,10 +92,11 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
                                                               tmp_path):
     """2 ranks = DP 2 with megatron's distributed optimizer (each rank saves and reloads its
     shard of the Adam state), rollout TP2. Mini-batches of 23 sequences out of 4 x (G + M) = 24:
-    the second holds one sequence, so one DP rank has none and takes part with a masked row."""
+    the second holds one sequence, so one DP rank has none and takes part with a masked row.
+    Sequence packing on, with the token-balanced split over the DP ranks."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "rollout.tensor_model_parallel_size=2", "trainer.mini_batch_unit=sequences",
-              "trainer.mini_batch_size=23"]
+              "trainer.mini_batch_size=23", "trainer.sequence_packing=true"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(straight), steps=4), *common], nproc=2)
@@ -114,6 +115,9 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
     # the steps really trained (the comparison is not between two idle runs)
     assert a[4]["train/grad_norm"] > 0 and a[3]["replay/num_sequences"] > 0
     assert all(e["train/num_optimizer_steps"] == 2 for e in a[1:])
+    # packed micro-batches feed no padding; the phases report their throughput
+    assert all(e["train/padding_frac"] == 0.0 for e in a[1:])
+    assert all(e["timing/train_tokens_per_s"] > 0 for e in a[1:])
 
 
 def test_dynamic_sampling_keeps_whole_groups_with_signal(tiny_qwen2_dir, task, pool, tmp_path):

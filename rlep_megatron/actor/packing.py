@@ -1,0 +1,188 @@
+"""Sequence packing and token-balanced partitioning for the actor's forward passes.
+
+Packed micro-batches concatenate whole sequences into one row of ``t`` tokens (megatron's THD
+layout: ``PackedSeqParams`` with ``cu_seqlens``); attention never crosses a sequence boundary
+and rotary positions restart at every sequence (megatron applies them per ``cu_seqlens``).
+TransformerEngine's attention takes that layout natively; for megatron-core's local layer spec
+(CPU, or a GPU without TE) :class:`PackedLocalAttention` computes the same thing. Log-probs are
+computed on the packed tokens only and then unpacked to the ``[rows, columns]`` layout that the
+loss and every caller use, so nothing downstream knows whether a batch was packed.
+
+Partitions are deterministic functions of the sequence lengths (ties go to the lower index),
+so a resumed run cuts its batches exactly as the original did.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Optional, Sequence
+
+import torch
+
+
+def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Row indices split into ``parts`` groups of near-equal token sums: longest first, each
+    onto the group with the fewest tokens so far (then the fewest rows, then the lowest
+    index). Groups list their rows in ascending order; a group may be empty when there are
+    fewer rows than parts."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    heap = [(0, 0, part) for part in range(parts)]
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    for row in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
+        tokens, rows, part = heapq.heappop(heap)
+        groups[part].append(row)
+        heapq.heappush(heap, (tokens + int(lengths[row]), rows + 1, part))
+    return [sorted(group) for group in groups]
+
+
+def pack_by_token_budget(lengths: Sequence[int], max_tokens: int, multiple_of: int = 1
+                         ) -> list[list[int]]:
+    """Rows grouped into the fewest balanced micro-batches (:func:`balanced_partition`) whose
+    token sums stay within ``max_tokens``; a row longer than the budget goes alone. The count
+    is rounded up to a multiple of ``multiple_of`` where there are enough rows (megatron's
+    interleaved pipeline schedule needs a multiple of the pipeline size). Empty groups are
+    dropped."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    n = len(lengths)
+    if n == 0:
+        return []
+    count = max(1, -(-sum(int(x) for x in lengths) // max_tokens))
+    while True:
+        rounded = -(-count // multiple_of) * multiple_of
+        count = rounded if rounded <= n else count
+        groups = [g for g in balanced_partition(lengths, count) if g]
+        if count >= n or all(len(g) == 1 or sum(int(lengths[r]) for r in g) <= max_tokens
+                             for g in groups):
+            return groups
+        count += 1
+
+
+def packed_micro_batch(input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[int],
+                       pad_to: Optional[int] = None, pad_id: int = 0) -> dict:
+    """The rows' first ``lengths[row]`` tokens concatenated into ``input_ids [1, t]`` with
+    per-sequence ``position_ids``, ``cu_seqlens [k + 1]`` (int32) and ``max_seqlen``. With
+    ``pad_to`` the pack is filled up to that many tokens by one extra filler sequence (fixed
+    shapes for the interleaved schedule); its outputs are never read.
+
+    ``unpack_index [len(rows), L]`` / ``unpack_valid`` map column c of row i (c < its length,
+    L the longest) to position ``start_i + c`` of the packed outputs; column 0 (no prefix) is
+    not valid."""
+    sizes = [int(lengths[row]) for row in rows]
+    pieces = [input_ids[row, :size] for row, size in zip(rows, sizes)]
+    total = sum(sizes)
+    if pad_to is not None and pad_to > total:
+        pieces.append(torch.full((pad_to - total,), pad_id, dtype=input_ids.dtype))
+        sizes = sizes + [pad_to - total]
+    bounds = torch.tensor([0] + sizes).cumsum(0)
+    width = max(sizes[:len(rows)])
+    columns = torch.arange(width)
+    starts = bounds[:len(rows)].unsqueeze(1)
+    valid = (columns.unsqueeze(0) < torch.tensor(sizes[:len(rows)]).unsqueeze(1)) & (columns > 0)
+    index = torch.where(valid, starts + columns, torch.zeros_like(starts + columns))
+    return {"input_ids": torch.cat(pieces).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(s) for s in sizes]).unsqueeze(0),
+            "cu_seqlens": bounds.to(torch.int32),
+            "max_seqlen": torch.tensor(max(sizes)),
+            "unpack_index": index, "unpack_valid": valid}
+
+
+def packed_seq_params(batch: dict):
+    """megatron's ``PackedSeqParams`` (THD) of a :func:`packed_micro_batch` already on the
+    model's device."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = batch["cu_seqlens"].to(torch.int32)
+    longest = int(batch["max_seqlen"])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Per-position values of a pack (``[1, t]``, position j about token j given the tokens
+    before it) as ``[rows, L]`` aligned like the unpacked sequences; invalid columns are 0.
+    Differentiable."""
+    flat = values.reshape(-1)
+    gathered = flat[batch["unpack_index"]]
+    return torch.where(batch["unpack_valid"], gathered, torch.zeros_like(gathered))
+
+
+def padding_fraction(lengths: Sequence[int], groups: Sequence[Sequence[int]], packed: bool,
+                     pad_to: Optional[int] = None) -> tuple[int, int]:
+    """(real tokens, token slots) that the micro-batches ``groups`` feed through the model:
+    padded micro-batches are rows x their longest row, packed ones their token sum (or
+    ``pad_to``)."""
+    real = sum(int(lengths[r]) for g in groups for r in g)
+    if packed:
+        slots = sum(max(pad_to or 0, sum(int(lengths[r]) for r in g)) for g in groups)
+    else:
+        slots = sum(len(g) * max(int(lengths[r]) for r in g) for g in groups)
+    return real, slots
+
+
+def _local_attention_class():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class PackedLocalAttention(DotProductAttention):
+        """megatron-core's local attention, extended to THD-packed inputs and computed with
+        torch's fused ``scaled_dot_product_attention`` (causal, no dropout, no softmax offset:
+        the actor's settings; anything else goes to megatron's own path).
+
+        Packed ``[t, heads, dim]`` queries/keys/values are laid out as a padded batch of their
+        sequences, attended with the causal mask and packed back: each sequence sees only
+        itself, exactly as TransformerEngine's THD attention, while the projections, MLPs and
+        logits around it run on real tokens only."""
+
+        def _fused(self, query, key, value):
+            """``[s, b, heads, dim]`` (keys/values with their query groups) -> ``[s, b, h]``."""
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            repeat = q.shape[1] // k.shape[1]
+            if repeat > 1:
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            fused = (attention_mask is None and attention_bias is None
+                     and self.softmax_offset is None and self.attention_dropout.p == 0.0
+                     and not self.config.apply_query_key_layer_scaling
+                     and self.config.window_size is None
+                     and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal)
+            if packed_seq_params is None:
+                if fused:
+                    return self._fused(query, key, value)
+                return super().forward(query, key, value, attention_mask,
+                                       attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias)
+            if not fused:
+                raise NotImplementedError("packed sequences with the local layer spec need "
+                                          "causal attention without dropout, bias or offset")
+            cu = packed_seq_params.cu_seqlens_q.to(torch.long)
+            sizes = cu[1:] - cu[:-1]
+            width = int(sizes.max())
+            columns = torch.arange(width, device=cu.device)
+            valid = columns.unsqueeze(0) < sizes.unsqueeze(1)
+            index = torch.where(valid, cu[:-1].unsqueeze(1) + columns,
+                                torch.zeros_like(valid, dtype=torch.long))
+
+            def to_padded(x):  # [t, h, d] -> [width, sequences, h, d]
+                return x[index].transpose(0, 1)
+
+            out = self._fused(to_padded(query), to_padded(key), to_padded(value))
+            return out.transpose(0, 1)[valid]  # [t, h * d]
+
+    return PackedLocalAttention
+
+
+_PACKED_LOCAL_ATTENTION = None
+
+
+def packed_local_attention():
+    """:class:`PackedLocalAttention` (built on first use: megatron is imported lazily)."""
+    global _PACKED_LOCAL_ATTENTION
+    if _PACKED_LOCAL_ATTENTION is None:
+        _PACKED_LOCAL_ATTENTION = _local_attention_class()
+    return _PACKED_LOCAL_ATTENTION
