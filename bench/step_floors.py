@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
 
     import tempfile
 

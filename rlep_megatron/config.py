@@ -36,6 +36,11 @@ class ModelConfig:
     ``float16`` is refused: it needs dynamic loss scaling, which this trainer does not wire."""
     recompute_activations: bool = False
     """Recompute transformer layers in the backward pass (megatron-core full recompute)."""
+    transformer_engine: Literal["auto", "required", "off"] = "auto"
+    """Actor layer implementation: TransformerEngine's spec when it is usable on a GPU
+    (``auto``), always (``required``: an error naming the import failure otherwise) or never
+    (``off``: megatron-core's local spec). Checkpoints record the spec they were saved with and
+    load into either."""
 
     def __post_init__(self):
         if self.params_dtype == "float16":
@@ -283,6 +288,12 @@ class OptimConfig:
     """Global grad-norm clip; a non-finite norm skips the step."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer)."""
+    offload_during_rollout: bool = False
+    """GPU: from the end of each update until the next old-log-prob pass (weight sync,
+    validation, rollout), release megatron's gradient buffers and keep the optimizer state
+    (Adam moments, fp32 main weights) in CPU memory, leaving that memory to the rollout
+    engine; restored for checkpoints. Needs bfloat16 parameters (the optimizer then holds its
+    own fp32 copies; with float32 parameters it would move the model's). No effect on CPU."""
 
     def __post_init__(self):
         if self.lr <= 0:

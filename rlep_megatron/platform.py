@@ -138,6 +138,27 @@ def transformer_engine_available() -> bool:
     return transformer_engine_status()[0]
 
 
+TRANSFORMER_ENGINE_MODES = ("auto", "required", "off")
+
+
+def use_transformer_engine(mode: str = "auto") -> bool:
+    """Whether the actor takes TransformerEngine's layer spec (``model.transformer_engine``):
+    ``auto`` when it is usable, ``off`` never, ``required`` always, or an error that says why
+    it is not usable (a broken install shows its import error here rather than a silent switch
+    to the slower local spec)."""
+    if mode not in TRANSFORMER_ENGINE_MODES:
+        raise ValueError(f"model.transformer_engine must be one of "
+                         f"{', '.join(TRANSFORMER_ENGINE_MODES)}; got {mode!r}")
+    if mode == "off":
+        return False
+    usable, reason = transformer_engine_status()
+    if mode == "required" and not usable:
+        raise RuntimeError(f"model.transformer_engine=required, but {reason}. Install it with "
+                           "scripts/setup_gpu.sh, or set model.transformer_engine=auto to fall "
+                           "back to megatron-core's local spec")
+    return usable
+
+
 @functools.lru_cache(maxsize=None)
 def report_layer_spec(use_te: bool) -> None:
     """Say once per process which layer implementation the actor uses, and what it costs when

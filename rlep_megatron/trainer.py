@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from rlep_megatron import distributed, faults
+from rlep_megatron import distributed, faults, platform
 from rlep_megatron.actor.packing import balanced_partition
 from rlep_megatron.config import RunConfig, dump_config
 
@@ -200,11 +200,13 @@ class Trainer:
             num_layers=hf["num_hidden_layers"])
         dtype = resolve_dtype(cfg.model.params_dtype)
         if cfg.model.mcore_dir:
-            self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations)
+            self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations,
+                                                 transformer_engine=cfg.model.transformer_engine)
             load_mcore_weights(self.chunks, cfg.model.mcore_dir, hf_config=hf)
         else:
             self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
-                                                   cfg.model.recompute_activations)
+                                                   cfg.model.recompute_activations,
+                                                   cfg.model.transformer_engine)
         # the KL term's reference: the initial weights, copied before any update or resume
         self.reference = None
         if cfg.algo.kl_coef > 0:
@@ -214,6 +216,12 @@ class Trainer:
                                              offload=cfg.algo.reference_offload)
         self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
+        self.offload_train_state = cfg.optim.offload_during_rollout and platform.cuda_available()
+        if self.offload_train_state and self.info.params_dtype != torch.bfloat16:
+            raise ValueError("optim.offload_during_rollout needs model.params_dtype=bfloat16 "
+                             "(auto on GPU): with float32 parameters megatron's optimizer "
+                             "works on the model's own weights, which must stay on the GPU")
+        self._train_state_offloaded = False
         self.max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
         self.engine = RolloutEngine(
             cfg.model.hf_dir, cfg.rollout, dtype=str(self.info.params_dtype).split(".")[-1],
@@ -518,6 +526,18 @@ class Trainer:
         out["num_optimizer_steps"] = float(len(results))
         return out
 
+    def offload_train_state_now(self) -> None:
+        """``optim.offload_during_rollout``: gradient buffers and optimizer state leave the
+        GPU until :meth:`restore_train_state`."""
+        if self.offload_train_state and not self._train_state_offloaded:
+            self.optimizer.offload(self.chunks)
+            self._train_state_offloaded = True
+
+    def restore_train_state(self) -> None:
+        if self._train_state_offloaded:
+            self.optimizer.restore(self.chunks)
+            self._train_state_offloaded = False
+
     def weight_sync(self) -> dict[str, float]:
         from rlep_megatron.weight_sync import sync_weights
 
@@ -580,10 +600,12 @@ class Trainer:
         # GPU: the engine's weights and KV cache are released while the actor works (vLLM
         # sleep); the weight sync below refills them. No-op on CPU.
         with self.engine.released():
+            self.restore_train_state()
             with timer.phase("old_logprob"):
                 train_batches, old_metrics = self.old_logprob(batch, plan)
             with timer.phase("train"):
                 train = self.train(train_batches)
+            self.offload_train_state_now()
         with timer.phase("weight_sync"):
             self.weight_sync()
         self.step += 1
@@ -618,7 +640,11 @@ class Trainer:
             save_every = cfg.checkpoint.save_interval_steps
             if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.total_steps:
                 with timer.phase("checkpoint"):
+                    offloaded = self._train_state_offloaded
+                    self.restore_train_state()
                     self.checkpoints.save(self)
+                    if offloaded:
+                        self.offload_train_state_now()
             metrics.update(timer.values)
             self._log(self.step, metrics)
 

@@ -45,7 +45,8 @@ def resolve_dtype(name: str) -> torch.dtype:
 def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: int,
                        pipeline_model_parallel_size: int, params_dtype: torch.dtype,
                        virtual_pipeline_model_parallel_size: Optional[int] = None,
-                       recompute_activations: bool = False, use_te: bool = False):
+                       recompute_activations: bool = False, use_te: bool = False,
+                       on_meta_device: bool = False):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -67,7 +68,9 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         # Initialisation must stay on even though HF weights overwrite it: megatron marks
         # tensor-parallel shards (param.tensor_model_parallel) only inside its initialisers, and
         # without the mark the grad norm treats shards of TP ranks > 0 as duplicates.
-        use_cpu_initialization=not on_gpu, perform_initialization=True,
+        # (CPU initialisation passes no explicit device, so a meta-device skeleton stays on
+        # the meta device; GPU initialisation names the current CUDA device)
+        use_cpu_initialization=not on_gpu or on_meta_device, perform_initialization=True,
         # fused kernels are CUDA-only; on CPU use megatron's plain-torch paths
         # (the local spec's fused softmax needs kernels that only apex / Megatron-LM build)
         bias_dropout_fusion=on_gpu,
@@ -91,12 +94,16 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
 
 
 def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
-                recompute_activations: bool = False, on_meta_device: bool = False
+                recompute_activations: bool = False, on_meta_device: bool = False,
+                transformer_engine: str = "auto"
                 ) -> tuple[list[torch.nn.Module], ActorModelInfo]:
     """GPTModel chunks of this rank (one per virtual pipeline stage), weights uninitialised.
 
-    ``on_meta_device`` builds them without storage: shapes, names and sharding metadata only
-    (the streaming conversion tools work from such a skeleton)."""
+    ``transformer_engine``: ``auto`` | ``required`` | ``off``
+    (:func:`platform.use_transformer_engine`). ``on_meta_device`` builds them without storage:
+    shapes, names and sharding metadata only (the streaming conversion tools work from such a
+    skeleton); it takes the local spec, whose checkpoint keys are TransformerEngine's (megatron
+    maps the norms' names), and allocates nothing on a GPU."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -105,10 +112,11 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    use_te = platform.transformer_engine_available()
-    platform.report_layer_spec(use_te)
+    use_te = False if on_meta_device else platform.use_transformer_engine(transformer_engine)
+    if not on_meta_device:
+        platform.report_layer_spec(use_te)
     config = transformer_config(hf_config, tp, pp, params_dtype, vpp, recompute_activations,
-                                use_te)
+                                use_te, on_meta_device)
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
@@ -184,10 +192,11 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str, info: ActorModel
 
 
 def build_from_hf(hf_dir: str, params_dtype: str = "auto",
-                  recompute_activations: bool = False):
+                  recompute_activations: bool = False, transformer_engine: str = "auto"):
     """Build this rank's chunks for an HF checkpoint and load its weights."""
     hf_config = load_hf_config(hf_dir)
-    chunks, info = build_model(hf_config, resolve_dtype(params_dtype), recompute_activations)
+    chunks, info = build_model(hf_config, resolve_dtype(params_dtype), recompute_activations,
+                               transformer_engine=transformer_engine)
     load_hf_weights(chunks, hf_dir, info)
     return chunks, info
 
@@ -207,13 +216,54 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
+EXTRA_STATE = "_extra_state"
+
+
+def drop_unsaved_extra_state(request: dict, directory: str) -> dict:
+    """``request`` (a sharded state dict) without the TransformerEngine ``_extra_state``
+    objects that the checkpoint in ``directory`` lacks. TE modules checkpoint such an object
+    (their FP8 scaling history); a checkpoint saved with the local spec (a CPU node, the
+    conversion tools, ``model.transformer_engine=off``) has none, and megatron would refuse to
+    load it into a TE model. The dropped modules keep their initial extra state (no FP8
+    history). Parameters are named alike in both specs."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    def extra_objects(tree):
+        for value in (tree.values() if isinstance(tree, dict) else tree
+                      if isinstance(tree, list) else ()):
+            if isinstance(value, ShardedObject) and value.key.endswith(EXTRA_STATE):
+                yield value
+            elif isinstance(value, (dict, list)):
+                yield from extra_objects(value)
+
+    if next(extra_objects(request), None) is None:
+        return request  # the local spec: nothing to reconcile
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved = {value.key for value in load_sharded_metadata(directory).values()}
+
+    def prune(tree):
+        if isinstance(tree, dict):
+            return {k: prune(v) for k, v in tree.items()
+                    if not (isinstance(v, ShardedObject) and v.key.endswith(EXTRA_STATE)
+                            and v.key not in saved)}
+        if isinstance(tree, list):
+            return [prune(v) for v in tree]
+        return tree
+
+    return prune(request)
+
+
 def load_model_state_dict(chunks: list[torch.nn.Module], state: dict) -> None:
-    """Inverse of :func:`model_sharded_state_dict` once ``dist_checkpointing.load`` filled it."""
-    if len(chunks) == 1:
-        unwrap(chunks[0]).load_state_dict(state)
-        return
-    for i, chunk in enumerate(chunks):
-        unwrap(chunk).load_state_dict(state[f"model{i}"])
+    """Inverse of :func:`model_sharded_state_dict` once ``dist_checkpointing.load`` filled it.
+    Only ``_extra_state`` entries may be missing (:func:`drop_unsaved_extra_state`)."""
+    parts = [state] if len(chunks) == 1 else [state[f"model{i}"] for i in range(len(chunks))]
+    for chunk, part in zip(chunks, parts):
+        result = unwrap(chunk).load_state_dict(part, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                               f"unexpected {list(result.unexpected_keys)[:5]}")
 
 
 def resolve_mcore_dir(mcore_dir: str) -> str:
@@ -249,6 +299,6 @@ def load_mcore_weights(chunks: list[torch.nn.Module], path: str,
         from rlep_megatron.checkpoint.resume import check_checkpoint_model
 
         check_checkpoint_model(path, hf_config)
-    request = model_sharded_state_dict(chunks)
+    request = drop_unsaved_extra_state(model_sharded_state_dict(chunks), directory)
     state = dist_checkpointing.load({"model": request} if training else request, directory)
     load_model_state_dict(chunks, state["model"] if training else state)

@@ -83,6 +83,21 @@ class ActorOptimizer:
         self.num_steps += 1
         return True, grad_norm
 
+    def offload(self, chunks: list[torch.nn.Module]) -> None:
+        """Free GPU memory for the rollout engine: release megatron's gradient buffers (their
+        storage; the views stay valid and are zeroed on restore) and move the optimizer's
+        tensors (Adam moments, fp32 main weights) to CPU memory. megatron-core's own RL
+        offload functions; GPU only, with bfloat16 parameters (see ``OptimConfig``)."""
+        for chunk in chunks:
+            chunk.offload_grad_buffers()
+        self.optimizer.offload_to_cpu()
+
+    def restore(self, chunks: list[torch.nn.Module]) -> None:
+        """Undo :meth:`offload` before the next forward/backward."""
+        self.optimizer.restore_from_cpu()
+        for chunk in chunks:
+            chunk.restore_grad_buffers()
+
     def torch_optimizers(self) -> list:
         """The torch optimizers inside megatron's (chained) optimizer."""
         chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])

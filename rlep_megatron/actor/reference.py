@@ -20,7 +20,9 @@ class ReferencePolicy:
     def __init__(self, actor_chunks: list[torch.nn.Module], info: ActorModelInfo,
                  offload: bool = False):
         self.info = info
-        self.chunks, _ = build_model(info.hf_config, info.params_dtype)
+        # the actor's own layer spec, whatever would be chosen now
+        self.chunks, _ = build_model(info.hf_config, info.params_dtype,
+                                     transformer_engine="required" if info.use_te else "off")
         for ref, actor in zip(self.chunks, actor_chunks):
             ref.load_state_dict(unwrap(actor).state_dict())
             ref.eval()

@@ -7,7 +7,8 @@ Layout under ``<trainer.output_dir>/checkpoints/``::
                            the model loads at any TP/PP; the distributed optimizer's state is
                            each rank's shard (megatron's dp_reshardable): any DP, same TP/PP)
         trainer_state.pt   step, prompt sampler, replay sampler, optimizer counters, RNG states
-        meta.json          written last: step, model fingerprint, parallel layout,
+        meta.json          written last: step, model fingerprint, parallel layout and layer
+                           spec (TransformerEngine or local),
                            "complete": true
 
 A checkpoint is written into ``.step_XXXXXXXX.partial`` and renamed when every part is on disk,
@@ -110,7 +111,26 @@ class CheckpointManager:
                                  "output_dir") from None
         path = self._resume_path()
         if path is not None:
-            self._check_layout(path, check_checkpoint_model(path, self.hf_config))
+            meta = check_checkpoint_model(path, self.hf_config)
+            self._check_layout(path, meta)
+            self._check_layer_spec(path, meta)
+
+    def _check_layer_spec(self, path: str, meta: dict) -> None:
+        """The optimizer's flat buffers follow the parameter order, which TransformerEngine's
+        and the local spec do not share (TE fuses each norm into the next linear layer):
+        refuse resuming across specs, with what to do."""
+        from rlep_megatron import platform
+
+        saved = meta.get("layer_spec")
+        spec = ("transformer_engine"
+                if platform.use_transformer_engine(self.cfg.model.transformer_engine)
+                else "local")
+        if saved is not None and saved != spec:
+            raise ValueError(
+                f"checkpoint {path} was saved with the {saved} layer spec and this run builds "
+                f"the {spec} spec (model.transformer_engine); resume with the same spec, or "
+                "start a new run from its weights (model.mcore_dir=<the checkpoint>, "
+                "checkpoint.resume=never, a new trainer.output_dir) without the optimizer state")
 
     # ------------------------------------------------------------------ state
 
@@ -189,6 +209,7 @@ class CheckpointManager:
         if rank0:
             torch.save(self._trainer_state(trainer), os.path.join(partial, "trainer_state.pt"))
             meta = {"step": trainer.step, "model": self.fingerprint, "layout": self._layout(),
+                    "layer_spec": "transformer_engine" if trainer.info.use_te else "local",
                     "complete": True}
             with open(os.path.join(partial, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
@@ -212,9 +233,11 @@ class CheckpointManager:
         if path is None:
             return False
         trainer.optimizer.create_state()
-        sharded = self._sharded_state(trainer, is_loading=True)
+        from rlep_megatron.actor.model import drop_unsaved_extra_state, load_model_state_dict
+
+        sharded = drop_unsaved_extra_state(self._sharded_state(trainer, is_loading=True),
+                                           os.path.join(path, "dist"))
         state = dist_checkpointing.load(sharded, os.path.join(path, "dist"))
-        from rlep_megatron.actor.model import load_model_state_dict
 
         load_model_state_dict(trainer.chunks, state["model"])
         extra = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)

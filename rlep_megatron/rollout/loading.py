@@ -87,7 +87,8 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, s
         cfg.parallel, seed=seed, num_attention_heads=hf["num_attention_heads"],
         num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
         num_layers=hf["num_hidden_layers"])
-    chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype))
+    chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype),
+                               transformer_engine=cfg.model.transformer_engine)
     load_mcore_weights(chunks, checkpoint, hf_config=hf)
     engine = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype=_dtype_name(cfg), seed=seed,
                            max_model_len=max_model_len, load_weights=False)

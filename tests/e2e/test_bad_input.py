@@ -64,7 +64,7 @@ def test_pool_of_another_dataset(tiny_qwen2_dir, task, tmp_path):
                   f"replay.pool_files=[{pool}]"], "none of them is a question of the training")
 
 
-def fake_checkpoint(out, model_dir, step, layout=None, **config_changes):
+def fake_checkpoint(out, model_dir, step, layout=None, layer_spec=None, **config_changes):
     """A complete-looking training checkpoint (meta.json only) of the model in ``model_dir``,
     with ``config_changes`` applied to its fingerprint: the checks below read nothing else."""
     directory = out / "checkpoints" / f"step_{step:08d}"
@@ -73,6 +73,8 @@ def fake_checkpoint(out, model_dir, step, layout=None, **config_changes):
     meta = {"step": step, "model": model_fingerprint(config), "complete": True}
     if layout is not None:
         meta["layout"] = layout
+    if layer_spec is not None:
+        meta["layer_spec"] = layer_spec
     (directory / "meta.json").write_text(json.dumps(meta))
 
 
@@ -108,3 +110,14 @@ def test_resume_at_another_tp_with_dp_sharded_optimizer_state(tiny_qwen2_dir, ta
                   *train_overrides(tiny_qwen2_dir, task, str(out), 3)],
                  "laid out for {'tensor_model_parallel_size': 2}",
                  "resume with that layout", "model.mcore_dir=<the checkpoint>")
+
+
+def test_resume_with_another_layer_spec(tiny_qwen2_dir, task, tmp_path):
+    """A checkpoint saved with TransformerEngine's spec (a GPU run) resumed by a run that builds
+    the local spec: the optimizer state's order differs, so it is refused with what to do."""
+    out = tmp_path / "run"
+    fake_checkpoint(out, tiny_qwen2_dir, 2, layer_spec="transformer_engine")
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(out), 3)],
+                 "saved with the transformer_engine layer spec", "builds the local spec",
+                 "model.mcore_dir=<the checkpoint>")

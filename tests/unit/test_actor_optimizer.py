@@ -94,3 +94,37 @@ def test_7b_recipes_warm_up_as_the_reference(recipe):
     assert cfg.optim.lr_warmup_unit == "training_steps"
     plan = [9] * 14
     assert run_ours(cfg.optim, plan) == pytest.approx(reference_lrs(1e-6, 10, plan), rel=1e-12)
+
+
+def test_offload_releases_grads_then_optimizer_and_restores_in_reverse():
+    """``optim.offload_during_rollout`` (GPU only, not run here): the gradient buffers of every
+    chunk and the optimizer state leave the GPU through megatron-core's own calls, and come
+    back optimizer first (the gradient buffers are zeroed on restore)."""
+    from rlep_megatron.actor.optimizer import ActorOptimizer
+    from rlep_megatron.config import OptimConfig
+
+    calls = []
+
+    class Chunk:
+        def __init__(self, name):
+            self.name = name
+
+        def offload_grad_buffers(self):
+            calls.append(f"offload grads {self.name}")
+
+        def restore_grad_buffers(self):
+            calls.append(f"restore grads {self.name}")
+
+    class MegatronOptimizer:
+        def offload_to_cpu(self):
+            calls.append("offload optimizer")
+
+        def restore_from_cpu(self):
+            calls.append("restore optimizer")
+
+    optimizer = ActorOptimizer(MegatronOptimizer(), OptimConfig())
+    chunks = [Chunk("a"), Chunk("b")]
+    optimizer.offload(chunks)
+    optimizer.restore(chunks)
+    assert calls == ["offload grads a", "offload grads b", "offload optimizer",
+                     "restore optimizer", "restore grads a", "restore grads b"]

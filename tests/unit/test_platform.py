@@ -163,3 +163,18 @@ def test_no_fused_softmax_without_its_kernels_on_a_gpu(monkeypatch, tiny_qwen2_d
         is False
     assert transformer_config(hf, 1, 1, torch.bfloat16, use_te=True).masked_softmax_fusion \
         is True
+
+
+def test_transformer_engine_modes(monkeypatch):
+    monkeypatch.setattr(platform, "transformer_engine_status",
+                        lambda: (False, "importing transformer_engine.pytorch failed: boom"))
+    assert platform.use_transformer_engine("auto") is False
+    assert platform.use_transformer_engine("off") is False
+    with pytest.raises(RuntimeError, match="required, but importing transformer_engine"):
+        platform.use_transformer_engine("required")
+    with pytest.raises(ValueError, match="auto, required, off"):
+        platform.use_transformer_engine("yes")
+    monkeypatch.setattr(platform, "transformer_engine_status", lambda: (True, ""))
+    assert platform.use_transformer_engine("auto") is True
+    assert platform.use_transformer_engine("required") is True
+    assert platform.use_transformer_engine("off") is False
