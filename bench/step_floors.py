@@ -62,7 +62,7 @@ def plain_model(trainer):
         raise RuntimeError(f"weights do not match the transformers model: {missing} "
                            f"{unexpected}")
     model.tie_weights()
-    return model.to(torch.device("cpu"))
+    return model.to(next(trainer.chunks[0].parameters()).device)  # the actor's device
 
 
 def _padded_groups(lengths, budget):
@@ -74,8 +74,9 @@ def _padded_groups(lengths, budget):
 def plain_logprobs(model, ids, rows, temperature):
     import torch
 
-    logits = model(ids[rows]).logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, ids[rows][:, 1:, None])[..., 0]
+    x = ids[rows].to(model.device)
+    logits = model(x).logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
 
 
 def plain_old_logprob(model, train_batches, budget, temperature) -> float:
@@ -105,8 +106,10 @@ def plain_train(model, optimizer, train_batches, budget, algo, temperature) -> f
             width = int(lengths[rows].max())
             logp = plain_logprobs(model, tb.input_ids[:, :width], rows, temperature)
             logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], 1)
-            loss, _ = policy_loss(logp, tb.old_logp[rows, :width], tb.advantages[rows],
-                                  tb.response_mask[rows, :width], algo.clip_ratio_low,
+            device = logp.device
+            loss, _ = policy_loss(logp, tb.old_logp[rows, :width].to(device),
+                                  tb.advantages[rows].to(device),
+                                  tb.response_mask[rows, :width].to(device), algo.clip_ratio_low,
                                   algo.clip_ratio_high, algo.clip_ratio_c,
                                   global_num_tokens=tokens)
             loss.backward()
@@ -163,11 +166,12 @@ def main() -> None:
         trainer.reward(batch)
         trainer.advantage(batch)
         plan = trainer.mini_batches(batch)
-        (train_batches, _), old_s = _timed(lambda: trainer.old_logprob(batch, plan))
-        old_floor = plain_old_logprob(plain, train_batches, budget, temperature)
-        train_metrics, train_s = _timed(lambda: trainer.train(train_batches))
-        train_floor = plain_train(plain, plain_optimizer, train_batches, budget, cfg.algo,
-                                  temperature)
+        with trainer.engine.released():  # as in a step (GPU: the engine sleeps meanwhile)
+            (train_batches, _), old_s = _timed(lambda: trainer.old_logprob(batch, plan))
+            old_floor = plain_old_logprob(plain, train_batches, budget, temperature)
+            train_metrics, train_s = _timed(lambda: trainer.train(train_batches))
+            train_floor = plain_train(plain, plain_optimizer, train_batches, budget, cfg.algo,
+                                      temperature)
         _, sync_s = _timed(trainer.weight_sync)
         sync_floor = copy_floor(trainer)
         trainer.step += 1

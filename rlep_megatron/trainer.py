@@ -533,6 +533,17 @@ class Trainer:
             self.optimizer.offload(self.chunks)
             self._train_state_offloaded = True
 
+    def save_checkpoint(self) -> None:
+        """With the train state offloaded, the save brings it back while the engine sleeps
+        (the memory it was offloaded for), then offloads it again."""
+        if not self._train_state_offloaded:
+            self.checkpoints.save(self)
+            return
+        with self.engine.released():
+            self.restore_train_state()
+            self.checkpoints.save(self)
+            self.offload_train_state_now()
+
     def restore_train_state(self) -> None:
         if self._train_state_offloaded:
             self.optimizer.restore(self.chunks)
@@ -640,11 +651,7 @@ class Trainer:
             save_every = cfg.checkpoint.save_interval_steps
             if (save_every and self.step % save_every == 0) or self.step == cfg.trainer.total_steps:
                 with timer.phase("checkpoint"):
-                    offloaded = self._train_state_offloaded
-                    self.restore_train_state()
-                    self.checkpoints.save(self)
-                    if offloaded:
-                        self.offload_train_state_now()
+                    self.save_checkpoint()
             metrics.update(timer.values)
             self._log(self.step, metrics)
 

@@ -38,22 +38,27 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
 def pack_by_token_budget(lengths: Sequence[int], max_tokens: int, multiple_of: int = 1
                          ) -> list[list[int]]:
     """Rows grouped into the fewest balanced micro-batches (:func:`balanced_partition`) whose
-    token sums stay within ``max_tokens``; a row longer than the budget goes alone. The count
-    is rounded up to a multiple of ``multiple_of`` where there are enough rows (megatron's
-    interleaved pipeline schedule needs a multiple of the pipeline size). Empty groups are
-    dropped."""
+    token sums stay within ``max_tokens``; a row longer than the budget goes alone.
+
+    The count is always a multiple of ``multiple_of`` (megatron's interleaved pipeline
+    schedule needs a multiple of the pipeline size): where the budget would ask for more packs
+    than the largest multiple that the rows can fill, that many packs are made and some exceed
+    the budget (as the padded path re-cuts its micro-batches)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     n = len(lengths)
     if n == 0:
         return []
+    if n < multiple_of:
+        raise ValueError(f"{n} sequences cannot fill the {multiple_of} micro-batches that the "
+                         "virtual pipeline schedule needs; use more sequences per step")
+    most = n // multiple_of * multiple_of
     count = max(1, -(-sum(int(x) for x in lengths) // max_tokens))
     while True:
-        rounded = -(-count // multiple_of) * multiple_of
-        count = rounded if rounded <= n else count
-        groups = [g for g in balanced_partition(lengths, count) if g]
-        if count >= n or all(len(g) == 1 or sum(int(lengths[r]) for r in g) <= max_tokens
-                             for g in groups):
+        count = min(-(-count // multiple_of) * multiple_of, most)
+        groups = balanced_partition(lengths, count)
+        if count == most or all(len(g) == 1 or sum(int(lengths[r]) for r in g) <= max_tokens
+                                for g in groups):
             return groups
         count += 1
 
@@ -105,19 +110,6 @@ def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
     flat = values.reshape(-1)
     gathered = flat[batch["unpack_index"]]
     return torch.where(batch["unpack_valid"], gathered, torch.zeros_like(gathered))
-
-
-def padding_fraction(lengths: Sequence[int], groups: Sequence[Sequence[int]], packed: bool,
-                     pad_to: Optional[int] = None) -> tuple[int, int]:
-    """(real tokens, token slots) that the micro-batches ``groups`` feed through the model:
-    padded micro-batches are rows x their longest row, packed ones their token sum (or
-    ``pad_to``)."""
-    real = sum(int(lengths[r]) for g in groups for r in g)
-    if packed:
-        slots = sum(max(pad_to or 0, sum(int(lengths[r]) for r in g)) for g in groups)
-    else:
-        slots = sum(len(g) * max(int(lengths[r]) for r in g) for g in groups)
-    return real, slots
 
 
 def _local_attention_class():

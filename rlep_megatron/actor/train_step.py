@@ -161,8 +161,9 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         schedule_shape = {"seq_length": max(int(mb["input_ids"].shape[1])
                                             for mb in micro_batches),
                           "micro_batch_size": max(len(g) for g in groups)}
-    real_tokens, token_slots = packing.padding_fraction(lengths.tolist(), groups,
-                                                        sequence_packing, pad_to)
+    # token slots the model really processes (padded rows and columns, or the packs' fill)
+    real_tokens = int(lengths.sum())
+    token_slots = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
     # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
     compensation = len(micro_batches) * ps.get_data_parallel_world_size()
 

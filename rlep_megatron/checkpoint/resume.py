@@ -125,6 +125,10 @@ class CheckpointManager:
         spec = ("transformer_engine"
                 if platform.use_transformer_engine(self.cfg.model.transformer_engine)
                 else "local")
+        if saved is None:
+            logger.warning("checkpoint %s does not record its layer spec (saved by an older "
+                           "version); resuming it assumes the %s spec this run builds", path,
+                           spec)
         if saved is not None and saved != spec:
             raise ValueError(
                 f"checkpoint {path} was saved with the {saved} layer spec and this run builds "

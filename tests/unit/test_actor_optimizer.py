@@ -128,3 +128,37 @@ def test_offload_releases_grads_then_optimizer_and_restores_in_reverse():
     optimizer.restore(chunks)
     assert calls == ["offload grads a", "offload grads b", "offload optimizer",
                      "restore optimizer", "restore grads a", "restore grads b"]
+
+
+def test_a_checkpoint_with_offloaded_train_state_is_saved_while_the_engine_sleeps():
+    """The save needs the optimizer state back on the GPU: it comes back only while the engine
+    has released its memory, and leaves again before the engine wakes."""
+    import contextlib
+    import types
+
+    from rlep_megatron.trainer import Trainer
+
+    calls = []
+
+    class Engine:
+        @contextlib.contextmanager
+        def released(self):
+            calls.append("engine sleeps")
+            yield
+            calls.append("engine wakes")
+
+    optimizer = types.SimpleNamespace(offload=lambda chunks: calls.append("offload"),
+                                      restore=lambda chunks: calls.append("restore"))
+    checkpoints = types.SimpleNamespace(save=lambda trainer: calls.append("save"))
+    trainer = types.SimpleNamespace(engine=Engine(), optimizer=optimizer, chunks=[],
+                                    checkpoints=checkpoints, offload_train_state=True,
+                                    _train_state_offloaded=False)
+    for name in ("save_checkpoint", "restore_train_state", "offload_train_state_now"):
+        setattr(trainer, name, getattr(Trainer, name).__get__(trainer))
+    trainer.save_checkpoint()  # nothing offloaded: a plain save
+    assert calls == ["save"]
+    calls.clear()
+    trainer.offload_train_state_now()
+    trainer.save_checkpoint()
+    assert calls == ["offload", "engine sleeps", "restore", "save", "offload", "engine wakes"]
+    assert trainer._train_state_offloaded

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlep_megatron.actor.packing import (balanced_partition, pack_by_token_budget,
-                                         packed_micro_batch, padding_fraction, unpack)
+                                         packed_micro_batch, unpack)
 
 
 def _sums(lengths, groups):
@@ -45,13 +45,15 @@ def test_packs_respect_the_budget(seed):
     rng = random.Random(100 + seed)
     lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 30))]
     budget = rng.randint(20, 120)
-    multiple = rng.choice([1, 2])
+    multiple = rng.choice([1, 2]) if len(lengths) >= 2 else 1
     groups = pack_by_token_budget(lengths, budget, multiple_of=multiple)
     assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+    rows_fill_a_multiple = len(lengths) // multiple * multiple
     for group in groups:
-        assert len(group) == 1 or sum(lengths[r] for r in group) <= budget
-    if multiple == 2 and len(lengths) >= 2 * len(groups):
-        assert len(groups) % 2 == 0
+        assert (len(group) == 1 or sum(lengths[r] for r in group) <= budget
+                or len(groups) == rows_fill_a_multiple)  # no more packs could be made
+    if len(lengths) >= multiple:
+        assert len(groups) % multiple == 0  # always, even where packs must exceed the budget
     # balanced: with every row within the budget, no pack is far below the mean pack size
     # (the greedy's count is the first that fits, so the packs are not spread thin)
     if max(lengths) <= budget and len(groups) > 1:
@@ -76,6 +78,11 @@ def test_packed_layout_and_unpack_against_a_direct_construction():
     # column 0 and columns past the row's length are 0
     values = torch.arange(11, dtype=torch.float32).unsqueeze(0)
     assert unpack(values, batch).tolist() == [[0, 1, 2, 3, 4], [0, 6, 7, 0, 0]]
-    real, slots = padding_fraction(lengths.tolist(), [[2, 0], [1]], packed=False)
-    assert (real, slots) == (10, 2 * 5 + 2)
-    assert padding_fraction(lengths.tolist(), [[2, 0], [1]], packed=True) == (10, 10)
+
+
+def test_the_interleaved_schedule_always_gets_a_multiple_of_the_pipeline_size():
+    # three 10-token rows, budget 15: three packs would fit, the schedule needs an even count
+    groups = pack_by_token_budget([10, 10, 10], 15, multiple_of=2)
+    assert len(groups) == 2 and sorted(r for g in groups for r in g) == [0, 1, 2]
+    with pytest.raises(ValueError, match="cannot fill the 2 micro-batches"):
+        pack_by_token_budget([10], 15, multiple_of=2)
