@@ -140,10 +140,23 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings")),
                 position_embedding_type="rope", vp_stage=stage, **arch.model_kwargs(hf_config))
+        _params_to_dtype(chunk, params_dtype)
         chunks.append(chunk if on_meta_device else chunk.to(device))
     info = ActorModelInfo(hf_config=hf_config, dims=dims, padded_vocab_size=padded,
                           params_dtype=params_dtype, use_te=use_te)
     return chunks, info
+
+
+def _params_to_dtype(chunk: torch.nn.Module, params_dtype: torch.dtype) -> None:
+    """Every floating-point parameter in ``params_dtype``. The local spec's norms
+    (``torch.nn.RMSNorm``) are created in float32 whatever the dtype; in a bf16 model they
+    would form a second, float32 gradient buffer, and megatron-core 0.16's distributed
+    optimizer then pairs the two buffers' parameters with the wrong optimizer states when it
+    saves (``sharded_param_state_dp_reshardable`` asserts on the shapes). TransformerEngine's
+    norms and the HF checkpoint keep them in the model dtype too."""
+    for param in chunk.parameters():
+        if param.is_floating_point() and param.dtype != params_dtype:
+            param.data = param.data.to(params_dtype)
 
 
 def _current_device() -> torch.device:
