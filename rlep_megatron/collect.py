@@ -22,7 +22,6 @@ import os
 import shutil
 from typing import Optional
 
-
 from rlep_megatron import distributed
 from rlep_megatron.checkpoint.staging import write_file_atomic
 

@@ -87,16 +87,6 @@ def select_platform(local_rank: int = 0) -> Platform:
     return Platform(device=torch.device("cpu"), backend="gloo")
 
 
-def apex_available() -> bool:
-    """NVIDIA apex (built from source); the PyPI package named ``apex`` is unrelated."""
-    try:
-        import apex  # noqa: F401
-        from apex.normalization import FusedLayerNorm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def fused_softmax_available() -> bool:
     """megatron's fused masked-softmax kernels (``scaled_upper_triang_masked_softmax_cuda``,
     ``scaled_masked_softmax_cuda``): built by apex / Megatron-LM, not by megatron-core's wheel.
@@ -132,10 +122,6 @@ def transformer_engine_status() -> tuple[bool, str]:
     except Exception as err:  # a half-built install raises more than ImportError
         return False, f"importing transformer_engine.pytorch failed: {type(err).__name__}: {err}"
     return True, ""
-
-
-def transformer_engine_available() -> bool:
-    return transformer_engine_status()[0]
 
 
 TRANSFORMER_ENGINE_MODES = ("auto", "required", "off")

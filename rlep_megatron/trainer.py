@@ -64,6 +64,10 @@ class StepBatch:
     generation_rounds: int = 1
     generated_tokens: int = 0                # every round's responses, kept or not
 
+    def length(self, seq: Sample) -> int:
+        """Tokens of a sequence: its prompt and its response."""
+        return len(self.prompts[seq.group]) + len(seq.token_ids)
+
 
 class Timer:
     """``with timer.phase("rollout"): ...`` records ``timing/rollout_s`` (and is where
@@ -112,7 +116,7 @@ def _throughput(batch: StepBatch, timings: dict[str, float]) -> dict[str, float]
     """``timing/<phase>_tokens_per_s``: generated tokens per second of the rollout phase, and
     tokens (prompt + response) of the trained sequences per second of the old-log-prob and
     train phases (each optimizer step passes every sequence once)."""
-    tokens = sum(len(batch.prompts[s.group]) + len(s.token_ids) for s in batch.sequences)
+    tokens = sum(batch.length(s) for s in batch.sequences)
     out = {}
     for phase, count in (("rollout", batch.generated_tokens), ("old_logprob", tokens),
                          ("train", tokens)):
@@ -404,8 +408,7 @@ class Trainer:
         algo = self.cfg.algo
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
         # split across DP ranks by token count, so that no rank waits on the longest sequences
-        sizes = [len(batch.prompts[batch.sequences[i].group]) + len(batch.sequences[i].token_ids)
-                 for i in indices]
+        sizes = [batch.length(batch.sequences[i]) for i in indices]
         mine = [indices[j] for j in balanced_partition(sizes, dp)[dp_rank]]
         # a mini-batch with fewer sequences than DP ranks leaves some ranks none: they still
         # take part in every collective, with one fully masked row (no loss, no gradient)
@@ -418,8 +421,7 @@ class Trainer:
             mask.zero_()
         budget = self.cfg.trainer.micro_batch_max_tokens
         micro = max(1, budget // max(1, ids.shape[1]))
-        batching = {"lengths": torch.tensor([len(batch.prompts[s.group]) + len(s.token_ids)
-                                             for s in seqs]),
+        batching = {"lengths": torch.tensor([batch.length(s) for s in seqs]),
                     "pack_max_tokens": budget if self.cfg.trainer.sequence_packing else None}
         temperature = self.cfg.rollout.temperature
         old = actor_logprobs(self.chunks, self.info, ids, micro, temperature, everywhere=False,

@@ -88,11 +88,9 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
     if pack_max_tokens is not None:
         lengths = (torch.full((n,), seq_len, dtype=torch.long) if lengths is None
                    else lengths.to(torch.long))
-        pp = ps.get_pipeline_model_parallel_world_size()
-        groups = packing.pack_by_token_budget(lengths.tolist(), pack_max_tokens,
-                                              multiple_of=pp if interleaved else 1)
-        # the interleaved schedule exchanges fixed shapes: every pack gets the largest's size
-        pad_to = (max(int(lengths[g].sum()) for g in groups) if interleaved else None)
+        groups, pad_to = packing.plan_packs(
+            lengths.tolist(), pack_max_tokens,
+            ps.get_pipeline_model_parallel_world_size() if interleaved else 0)
         batches = [packing.packed_micro_batch(input_ids, lengths, g, pad_to) for g in groups]
         shape = {"seq_length": max(int(b["input_ids"].shape[1]) for b in batches),
                  "micro_batch_size": 1}

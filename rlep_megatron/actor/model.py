@@ -250,7 +250,7 @@ def drop_unsaved_extra_state(request: dict, directory: str) -> dict:
                 yield from extra_objects(value)
 
     if next(extra_objects(request), None) is None:
-        return request  # nothing to reconcile (megatron's local linears have extra state too)
+        return request
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     saved = {value.key for value in load_sharded_metadata(directory).values()}

@@ -63,6 +63,18 @@ def pack_by_token_budget(lengths: Sequence[int], max_tokens: int, multiple_of: i
         count += 1
 
 
+def plan_packs(lengths: Sequence[int], max_tokens: int, interleaved_stages: int = 0
+               ) -> tuple[list[list[int]], Optional[int]]:
+    """The packs of a batch (:func:`pack_by_token_budget`) and the size to fill them to: with
+    megatron's interleaved schedule (``interleaved_stages`` = the pipeline size, 0 without
+    virtual stages) a multiple of the pipeline size of packs, all of the largest one's size
+    (the schedule exchanges fixed shapes); otherwise ``None``."""
+    groups = pack_by_token_budget(lengths, max_tokens, multiple_of=interleaved_stages or 1)
+    pad_to = (max(sum(int(lengths[r]) for r in g) for g in groups) if interleaved_stages
+              else None)
+    return groups, pad_to
+
+
 def packed_micro_batch(input_ids: torch.Tensor, lengths: torch.Tensor, rows: list[int],
                        pad_to: Optional[int] = None, pad_id: int = 0) -> dict:
     """The rows' first ``lengths[row]`` tokens concatenated into ``input_ids [1, t]`` with

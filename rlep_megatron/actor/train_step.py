@@ -2,8 +2,8 @@
 backward through megatron-core's pipeline schedule with the RLEP loss, then the optimizer.
 
 Normalisation (RLEP_SPEC.md section 4): the number of valid response tokens of the whole
-mini-batch is summed over data-parallel ranks once (:func:`global_counts`, the one place where
-this module reduces across ranks) and passed to ``policy_loss``, so the micro-batch losses add
+mini-batch is summed over data-parallel ranks once (:func:`global_counts`, which also sums the
+token slots for ``padding_frac``; the metrics are reduced after the step) and passed to ``policy_loss``, so the micro-batch losses add
 up to the exact global token mean. Megatron's schedule divides each micro-batch loss by the
 number of micro-batches and its DDP averages gradients over data-parallel ranks; the loss handed
 to megatron is multiplied by both factors so that the gradient is that of the exact global mean.
@@ -70,16 +70,32 @@ def split_by_token_budget(lengths: list[int], max_tokens: int) -> list[list[int]
     return groups
 
 
-def global_counts(batch: TrainBatch) -> tuple[float, float]:
-    """(valid response tokens, sequences) of the mini-batch summed over data-parallel ranks; a
-    fully masked row (a placeholder on a rank left without sequences) is not a sequence."""
+def global_counts(batch: TrainBatch, token_slots: int) -> dict[str, float]:
+    """Summed over data-parallel ranks in one collective: ``tokens`` and ``sequences``, the
+    mini-batch's valid response tokens and sequences (the loss normalisers; a fully masked row,
+    a placeholder on a rank left without sequences, is not a sequence), and ``real_tokens`` /
+    ``token_slots``, the tokens the micro-batches hold and the slots they feed through the
+    model (padding included)."""
     from megatron.core import parallel_state as ps
 
-    counts = torch.tensor([float(batch.response_mask.sum()),
-                           float((batch.response_mask.sum(dim=1) > 0).sum())],
-                          dtype=torch.float64)
-    distributed.all_reduce(counts, "sum", ps.get_data_parallel_group())
-    return float(counts[0]), float(counts[1])
+    return distributed.reduce_values(
+        {"tokens": float(batch.response_mask.sum()),
+         "sequences": float((batch.response_mask.sum(dim=1) > 0).sum()),
+         "real_tokens": float(batch.lengths().sum()), "token_slots": float(token_slots)},
+        "sum", ps.get_data_parallel_group())
+
+
+def _loss_inputs(batch: TrainBatch, index: torch.Tensor, width: int) -> dict:
+    """The loss's inputs of rows ``index``, cut to ``width`` columns."""
+    out = {"response_mask": batch.response_mask[index, :width].float(),
+           "old_logp": batch.old_logp[index, :width].float(),
+           "advantages": batch.advantages[index].float(),
+           "is_replay": batch.is_replay[index]}
+    for key in ("ref_logp", "token_weights"):
+        value = getattr(batch, key)
+        if value is not None:
+            out[key] = value[index, :width].float()
+    return out
 
 
 def _micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int],
@@ -90,17 +106,10 @@ def _micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int],
     length = length or int(lengths[rows].max())
     padding = max(0, (num_rows or len(rows)) - len(rows))
     index = torch.tensor(list(rows) + [rows[0]] * padding)
-    out = {"input_ids": batch.input_ids[index, :length],
-           "position_ids": torch.arange(length).unsqueeze(0).expand(len(rows), -1),
-           "response_mask": batch.response_mask[index, :length].float()
-           * (torch.arange(len(index)) < len(rows)).float().unsqueeze(1),
-           "old_logp": batch.old_logp[index, :length].float(),
-           "advantages": batch.advantages[index].float(),
-           "is_replay": batch.is_replay[index]}
-    for key in ("ref_logp", "token_weights"):
-        value = getattr(batch, key)
-        if value is not None:
-            out[key] = value[index, :length].float()
+    out = _loss_inputs(batch, index, length)
+    out["response_mask"] *= (torch.arange(len(index)) < len(rows)).float().unsqueeze(1)
+    out.update(input_ids=batch.input_ids[index, :length],
+               position_ids=torch.arange(length).unsqueeze(0).expand(len(rows), -1))
     return out
 
 
@@ -109,16 +118,7 @@ def _packed_micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int
     """Rows of the batch packed into one sequence of tokens (:func:`packing.packed_micro_batch`)
     with their loss inputs as ``[rows, longest]``, aligned like the unpacked log-probs."""
     out = packing.packed_micro_batch(batch.input_ids, lengths, rows, pad_to)
-    width = int(out["unpack_index"].shape[1])
-    index = torch.tensor(rows)
-    out.update({"response_mask": batch.response_mask[index, :width].float(),
-                "old_logp": batch.old_logp[index, :width].float(),
-                "advantages": batch.advantages[index].float(),
-                "is_replay": batch.is_replay[index]})
-    for key in ("ref_logp", "token_weights"):
-        value = getattr(batch, key)
-        if value is not None:
-            out[key] = value[index, :width].float()
+    out.update(_loss_inputs(batch, torch.tensor(rows), int(out["unpack_index"].shape[1])))
     return out
 
 
@@ -137,22 +137,18 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
 
     device = next(chunks[0].parameters()).device
     tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
-    global_tokens, global_sequences = global_counts(batch)
     lengths = batch.lengths()
     interleaved = len(chunks) > 1
     if sequence_packing:
-        groups = packing.pack_by_token_budget(
+        groups, pad_to = packing.plan_packs(
             lengths.tolist(), micro_batch_max_tokens,
-            multiple_of=ps.get_pipeline_model_parallel_world_size() if interleaved else 1)
-        # the interleaved schedule exchanges fixed shapes: every pack gets the largest's size
-        pad_to = max(int(lengths[g].sum()) for g in groups) if interleaved else None
+            ps.get_pipeline_model_parallel_world_size() if interleaved else 0)
         micro_batches = [_packed_micro_batch(batch, lengths, rows, pad_to) for rows in groups]
         schedule_shape = {"seq_length": max(int(mb["input_ids"].shape[1])
                                             for mb in micro_batches), "micro_batch_size": 1}
     else:
         groups = fit_to_schedule(split_by_token_budget(lengths.tolist(), micro_batch_max_tokens),
                                  chunks)
-        pad_to = None
         # the interleaved (virtual pipeline) schedule exchanges fixed-shape buffers between
         # stages: give every micro-batch the shape of the largest
         shape = ({"length": int(lengths.max()), "num_rows": max(len(g) for g in groups)}
@@ -162,8 +158,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                                             for mb in micro_batches),
                           "micro_batch_size": max(len(g) for g in groups)}
     # token slots the model really processes (padded rows and columns, or the packs' fill)
-    real_tokens = int(lengths.sum())
-    token_slots = sum(int(mb["input_ids"].numel()) for mb in micro_batches)
+    counts = global_counts(batch, sum(int(mb["input_ids"].numel()) for mb in micro_batches))
+    global_tokens, global_sequences = counts["tokens"], counts["sequences"]
     # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
     compensation = len(micro_batches) * ps.get_data_parallel_world_size()
 
@@ -207,11 +203,10 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     applied, grad_norm = optimizer.step()
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True),
                               with_kl=batch.ref_logp is not None)
-    slots = distributed.reduce_values({"real": float(real_tokens), "slots": float(token_slots)},
-                                      "sum", ps.get_data_parallel_group())
     metrics.update({"grad_norm": grad_norm, "step_applied": float(applied),
                     "lr": optimizer.current_lr(), "num_micro_batches": float(len(groups)),
-                    "padding_frac": 1.0 - slots["real"] / max(slots["slots"], 1.0)})
+                    "padding_frac": 1.0 - counts["real_tokens"] / max(counts["token_slots"],
+                                                                       1.0)})
     return metrics
 
 

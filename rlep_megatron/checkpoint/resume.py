@@ -45,6 +45,11 @@ def model_fingerprint(hf_config: dict) -> dict:
     return {key: hf_config.get(key) for key in _FINGERPRINT_KEYS}
 
 
+def layer_spec_name(use_te: bool) -> str:
+    """How ``meta.json`` names the actor's layer spec."""
+    return "transformer_engine" if use_te else "local"
+
+
 def check_checkpoint_model(path: str, hf_config: dict) -> dict:
     """A training checkpoint's meta.json, after checking that it was saved for the model of
     ``hf_config`` (``model.hf_dir``); the error names the fields that differ. The one
@@ -122,14 +127,12 @@ class CheckpointManager:
         from rlep_megatron import platform
 
         saved = meta.get("layer_spec")
-        spec = ("transformer_engine"
-                if platform.use_transformer_engine(self.cfg.model.transformer_engine)
-                else "local")
+        spec = layer_spec_name(platform.use_transformer_engine(self.cfg.model.transformer_engine))
         if saved is None:
             logger.warning("checkpoint %s does not record its layer spec (saved by an older "
                            "version); resuming it assumes the %s spec this run builds", path,
                            spec)
-        if saved is not None and saved != spec:
+        elif saved != spec:
             raise ValueError(
                 f"checkpoint {path} was saved with the {saved} layer spec and this run builds "
                 f"the {spec} spec (model.transformer_engine); resume with the same spec, or "
@@ -213,7 +216,7 @@ class CheckpointManager:
         if rank0:
             torch.save(self._trainer_state(trainer), os.path.join(partial, "trainer_state.pt"))
             meta = {"step": trainer.step, "model": self.fingerprint, "layout": self._layout(),
-                    "layer_spec": "transformer_engine" if trainer.info.use_te else "local",
+                    "layer_spec": layer_spec_name(trainer.info.use_te),
                     "complete": True}
             with open(os.path.join(partial, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)

@@ -44,7 +44,9 @@ def learnable(tmp_path_factory):
     return task, model
 
 
-def test_training_reward_rises_on_a_learnable_task(learnable, tmp_path):
+# the tiny recipe's padded micro-batches, and sequence packing (the default elsewhere)
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_training_reward_rises_on_a_learnable_task(learnable, packing, tmp_path):
     task, model = learnable
     out = tmp_path / "run"
     # 32 prompts x 8 samples a step (the recipe has 16): halves the step-to-step noise
@@ -52,7 +54,8 @@ def test_training_reward_rises_on_a_learnable_task(learnable, tmp_path):
               f"data.train_files=[{task['train']}]", "data.val_files=[]",
               "data.train_batch_size=32", "trainer.mini_batch_size=8",
               f"trainer.total_steps={STEPS}", "trainer.validation_interval_steps=0",
-              "checkpoint.save_interval_steps=0", f"trainer.output_dir={out}"])
+              "checkpoint.save_interval_steps=0", f"trainer.output_dir={out}",
+              f"trainer.sequence_packing={packing}"])
     accuracy = [e["rollout/acc_mean"] for e in read_jsonl(out / "metrics.jsonl")]
     assert len(accuracy) == STEPS
     before, last = accuracy[0], accuracy[-WINDOW:]

@@ -123,7 +123,7 @@ def test_a_broken_transformer_engine_is_reported_once_with_its_error(monkeypatch
     platform.transformer_engine_status.cache_clear()
     platform.report_layer_spec.cache_clear()
     try:
-        assert platform.transformer_engine_available() is False
+        assert platform.use_transformer_engine("auto") is False
         with caplog.at_level(logging.INFO, logger="rlep_megatron.platform"):
             platform.report_layer_spec(False)
             platform.report_layer_spec(False)
