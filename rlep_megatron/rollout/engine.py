@@ -1,9 +1,13 @@
 """The rollout engine: vLLM in-process on every rank (``external_launcher``).
 
 The world is cut into rollout groups of ``rollout.tensor_model_parallel_size`` consecutive
-ranks; each group is one vLLM tensor-parallel engine replica (vLLM's own data-parallel rank is
-``rank // tp``). :meth:`RolloutEngine.generate` takes the same global prompt list on every rank,
-each replica samples its contiguous share, and every rank gets every response back.
+ranks; each group is one vLLM tensor-parallel engine replica. The replicas are independent:
+vLLM's own data parallelism is not used (``data_parallel_size=1``; the world's leading dimension
+is what vLLM calls external data parallelism), so no collective couples the replicas' engine
+steps, a replica never pads to another's batch or runs dummy batches, and a replica that ends
+early is done. :meth:`RolloutEngine.generate` takes the same global prompt list on every rank,
+each replica samples a contiguous share balanced by token budget (:func:`split_by_budget`;
+any share may be empty), and every rank gets every response back in one gather.
 
 Weights: the engine starts from an HF directory (or with dummy weights when the first weight
 sync is what fills it) and is updated in place through vLLM's worker ``reload_weights`` (called
@@ -67,6 +71,30 @@ def request_seed(seed: int, prompt_index: int, n: int) -> int:
     return int.from_bytes(digest, "little") % _SEED_SPAN + prompt_index * n
 
 
+def split_by_budget(costs: list[int], parts: int) -> list[range]:
+    """Cut ``len(costs)`` items, in order, into ``parts`` contiguous ranges whose cost sums are
+    as even as a contiguous cut allows: range ``r`` ends where the running cost first reaches
+    ``(r + 1) / parts`` of the total (the item straddling a boundary goes to the side that
+    leaves the smaller excess). Fewer items than parts leaves some ranges empty."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    total = float(sum(costs))
+    bounds = [0]
+    running, index = 0.0, 0
+    for r in range(1, parts):
+        target = total * r / parts
+        while index < len(costs) and running + costs[index] <= target:
+            running += costs[index]
+            index += 1
+        # take the straddling item when that overshoots less than leaving it undershoots
+        if index < len(costs) and running + costs[index] - target < target - running:
+            running += costs[index]
+            index += 1
+        bounds.append(max(index, bounds[-1]))
+    bounds.append(len(costs))
+    return [range(bounds[r], bounds[r + 1]) for r in range(parts)]
+
+
 class RolloutEngine:
     """One vLLM engine replica per rollout group; collective over the whole world."""
 
@@ -91,8 +119,8 @@ class RolloutEngine:
         self.cfg = cfg
         self.rank = torch.distributed.get_rank()
         self.tp_size = tp
-        self.dp_size = world // tp
-        self.dp_rank = self.rank // tp
+        self.dp_size = world // tp        # independent replicas
+        self.dp_rank = self.rank // tp    # this rank's replica
         self.sleep_enabled = cfg.enable_sleep_mode and platform.cuda_available()
         self._stale_reason: Optional[str] = None if load_weights else (
             "it was started with dummy weights and no weight sync has completed yet")
@@ -106,7 +134,7 @@ class RolloutEngine:
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
         self.llm = LLM(
             model=model_dir, dtype=dtype, seed=seed,
-            tensor_parallel_size=tp, data_parallel_size=self.dp_size,
+            tensor_parallel_size=tp, data_parallel_size=1,
             distributed_executor_backend="external_launcher",
             max_model_len=max_model_len,
             enable_sleep_mode=self.sleep_enabled,
@@ -116,16 +144,34 @@ class RolloutEngine:
             worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
         )
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+        self.dummy_batches = 0            # engine steps without requests (should stay 0)
+        self.last_generate_s = 0.0        # this replica's own sampling time in the last call
+        self._count_dummy_batches()
         logger.info("rollout engine ready in %.1fs (rollout TP=%d, replicas=%d)",
                     time.perf_counter() - started, tp, self.dp_size)
 
     # ------------------------------------------------------------------ generation
 
-    def share(self, num_prompts: int) -> range:
-        """The prompt indices this rank's replica samples (contiguous, balanced)."""
-        start = self.dp_rank * num_prompts // self.dp_size
-        stop = (self.dp_rank + 1) * num_prompts // self.dp_size
-        return range(start, stop)
+    def _count_dummy_batches(self) -> None:
+        """Count the engine's dummy batches (vLLM runs them when data-parallel replicas are
+        coupled and this one has no work). Independent replicas never run one; the counter
+        makes that checkable."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        run = getattr(core, "execute_dummy_batch", None)
+        if run is None:
+            return
+
+        def counted(*args, **kwargs):
+            self.dummy_batches += 1
+            return run(*args, **kwargs)
+
+        core.execute_dummy_batch = counted
+
+    def share(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 0) -> range:
+        """The prompt indices this rank's replica samples: a contiguous range, balanced over
+        the replicas by token budget (``n x (prompt length + max_tokens)`` per prompt)."""
+        costs = [n * (len(p) + max_tokens) for p in prompts]
+        return split_by_budget(costs, self.dp_size)[self.dp_rank]
 
     def sampling_params(self, n: int, temperature: float, top_p: float, top_k: int,
                         max_tokens: int, seed: int):
@@ -154,15 +200,17 @@ class RolloutEngine:
         top_p = cfg.top_p if top_p is None else top_p
         top_k = cfg.top_k if top_k is None else top_k
         max_tokens = cfg.max_response_tokens if max_tokens is None else max_tokens
-        mine = self.share(len(prompts))
+        mine = self.share(prompts, n, max_tokens)
         requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
         params = [self.sampling_params(n, temperature, top_p, top_k, max_tokens,
                                        request_seed(seed, i, n)) for i in mine]
         local: list[list[Response]] = []
-        if requests:
+        started = time.perf_counter()
+        if requests:  # an empty share skips the engine: no other replica waits on it
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             for index, output in zip(mine, outputs):
                 local.append([_response(index, completion) for completion in output.outputs])
+        self.last_generate_s = time.perf_counter() - started
         return self._all_gather(local, len(prompts))
 
     def _all_gather(self, local: list[list[Response]], num_prompts: int

@@ -4,8 +4,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from rlep_megatron.rollout.engine import request_seed
+from rlep_megatron.rollout.engine import request_seed, split_by_budget
 from rlep_megatron.rollout.parity import logprob_abs_diff
 from rlep_megatron.weight_sync.streamer import RuleEntry, TensorSpec, plan_buckets
 
@@ -104,3 +106,24 @@ def test_wake_up_is_staged_weights_then_sync_then_kv_cache():
     assert calls[-1] == ("wake_up", ["kv_cache"]) and engine.memory_state() == "awake"
     engine._wake_kv_cache()
     assert len(calls) == 3
+
+
+@given(st.lists(st.integers(min_value=0, max_value=500), max_size=40),
+       st.integers(min_value=1, max_value=8))
+def test_replica_shares_cover_the_prompts_in_order_balanced_by_budget(costs, parts):
+    """Each replica samples a contiguous range of the prompts; the ranges cover every prompt
+    once, in order, and no replica's budget exceeds an even share by more than one prompt's."""
+    shares = split_by_budget(costs, parts)
+    assert len(shares) == parts
+    assert [i for share in shares for i in share] == list(range(len(costs)))
+    biggest = max(costs, default=0)
+    for share in shares:
+        assert sum(costs[i] for i in share) <= sum(costs) / parts + biggest
+
+
+def test_equal_prompts_split_evenly_and_a_lone_prompt_leaves_a_replica_empty():
+    assert [len(s) for s in split_by_budget([5] * 7, 2)] in ([3, 4], [4, 3])
+    assert [len(s) for s in split_by_budget([5] * 8, 4)] == [2, 2, 2, 2]
+    assert sorted(len(s) for s in split_by_budget([9], 2)) == [0, 1]
+    # one long prompt against three short ones: the long one is a share of its own
+    assert [list(s) for s in split_by_budget([300, 100, 100, 100], 2)] == [[0], [1, 2, 3]]
