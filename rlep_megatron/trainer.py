@@ -537,7 +537,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """With the train state offloaded, the save brings it back while the engine sleeps
-        (the memory it was offloaded for), then offloads it again."""
+        (the memory it was offloaded for), then offloads it again. The engine's sleep
+        discarded its weights, so they are synced again from the (unchanged) actor before
+        the next rollout."""
         if not self._train_state_offloaded:
             self.checkpoints.save(self)
             return
@@ -545,6 +547,8 @@ class Trainer:
             self.restore_train_state()
             self.checkpoints.save(self)
             self.offload_train_state_now()
+        if self.engine.stale:
+            self.weight_sync()
 
     def restore_train_state(self) -> None:
         if self._train_state_offloaded:

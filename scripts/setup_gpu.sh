@@ -93,25 +93,29 @@ cuda_include_dirs() {
     # headers the TE torch extension includes that a CUDA toolkit does not ship (cuDNN,
     # cudnn-frontend), from the pip packages in the venv; one directory per line
     "$PY" - <<'PY'
-import importlib, os
-for name in ("nvidia.cudnn", "cudnn", "nvidia.cudnn_frontend", "cudnn_frontend"):
+import importlib, os, sys, sysconfig
+bases = [os.path.join(sysconfig.get_paths()["purelib"], "include"), os.path.join(sys.prefix, "include")]
+for name in ("nvidia.cudnn", "cudnn"):
     try:
-        module = importlib.import_module(name)
+        bases += [os.path.join(p, "include") for p in importlib.import_module(name).__path__]
     except Exception:
-        continue
-    for base in list(getattr(module, "__path__", [])):
-        for sub in ("include", os.path.join("include", "cudnn_frontend")):
-            if os.path.isfile(os.path.join(base, sub, "cudnn.h")) or \
-               os.path.isfile(os.path.join(base, sub, "cudnn_frontend.h")):
-                print(os.path.join(base, sub))
+        pass
+for base in bases:
+    if any(os.path.isfile(os.path.join(base, h)) for h in ("cudnn.h", "cudnn_frontend.h")):
+        print(base)
 PY
 }
 te_status="off (WITH_TE=0)"
 if [ "$WITH_TE" = "1" ]; then
-    if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ]; then
+    if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ] && [ ! -x /usr/local/cuda/bin/nvcc ]; then
         te_status="not built: no CUDA toolkit (nvcc not on PATH, CUDA_HOME unset)"
     else
-        export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}"
+        if [ -z "${CUDA_HOME:-}" ]; then
+            # the toolkit root; nvcc on PATH may be a wrapper script outside it
+            if [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_HOME=/usr/local/cuda
+            else CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; fi
+        fi
+        export CUDA_HOME
         include_path="$(cuda_include_dirs | sort -u | paste -sd: -)"
         export CPLUS_INCLUDE_PATH="${include_path}${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
         export C_INCLUDE_PATH="${include_path}${C_INCLUDE_PATH:+:$C_INCLUDE_PATH}"

@@ -3,6 +3,7 @@ megatron optimizer that records what it is asked to do."""
 import math
 
 import pytest
+import torch
 
 from rlep_megatron.actor.optimizer import ActorOptimizer
 from rlep_megatron.config import OptimConfig, load_config
@@ -130,35 +131,95 @@ def test_offload_releases_grads_then_optimizer_and_restores_in_reverse():
                      "restore optimizer", "restore grads a", "restore grads b"]
 
 
-def test_a_checkpoint_with_offloaded_train_state_is_saved_while_the_engine_sleeps():
-    """The save needs the optimizer state back on the GPU: it comes back only while the engine
-    has released its memory, and leaves again before the engine wakes."""
-    import contextlib
+class FakeVLLM:
+    """Stands in for ``vllm.LLM`` on a GPU with sleep mode: a level-2 sleep discards the
+    weights, a wake-up brings back uninitialised memory, and generating from weights that were
+    not reloaded since is an error (as garbage weights would be on a GPU)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.weights_valid = True
+
+    def sleep(self, level):
+        self.calls.append(f"engine sleeps (level {level})")
+        if level == 2:
+            self.weights_valid = False
+
+    def wake_up(self, tags=None):
+        self.calls.append(f"engine wakes {tags}")
+
+    def collective_rpc(self, method, args=()):
+        assert method == "rlep_reload_weights"
+        for _ in args[0]:
+            pass
+        self.weights_valid = True
+        self.calls.append("weights synced")
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, requests, params, use_tqdm=False):
+        assert self.weights_valid, "generated from discarded weights"
+        self.calls.append("generate")
+        return []
+
+
+def fake_engine(calls):
+    """The real :class:`RolloutEngine` (staleness, staged wake-up) around :class:`FakeVLLM`."""
+    from rlep_megatron.config import RolloutConfig
+    from rlep_megatron.rollout.engine import RolloutEngine
+
+    engine = object.__new__(RolloutEngine)
+    engine.__dict__.update(cfg=RolloutConfig(), rank=0, tp_size=1, dp_size=1, dp_rank=0,
+                           sleep_enabled=True, _asleep=False, _kv_cache_asleep=False,
+                           _stale_reason="started with dummy weights", llm=FakeVLLM(calls),
+                           dummy_batches=0, last_generate_s=0.0, eos_token_id=0)
+    return engine
+
+
+def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
+    """``optim.offload_during_rollout``: the checkpoint needs the optimizer state back on the
+    GPU, so it comes back only while the engine sleeps and leaves again before the engine
+    wakes; that sleep discards the engine's weights, so the weights are synced again before
+    the next step's rollout (before, the second step raised StaleWeightsError)."""
     import types
 
     from rlep_megatron.trainer import Trainer
 
     calls = []
-
-    class Engine:
-        @contextlib.contextmanager
-        def released(self):
-            calls.append("engine sleeps")
-            yield
-            calls.append("engine wakes")
-
+    engine = fake_engine(calls)
     optimizer = types.SimpleNamespace(offload=lambda chunks: calls.append("offload"),
                                       restore=lambda chunks: calls.append("restore"))
-    checkpoints = types.SimpleNamespace(save=lambda trainer: calls.append("save"))
-    trainer = types.SimpleNamespace(engine=Engine(), optimizer=optimizer, chunks=[],
-                                    checkpoints=checkpoints, offload_train_state=True,
-                                    _train_state_offloaded=False)
-    for name in ("save_checkpoint", "restore_train_state", "offload_train_state_now"):
+    checkpoints = types.SimpleNamespace(save=lambda trainer: calls.append("save"),
+                                        maybe_resume=lambda trainer: False)
+    streamer = types.SimpleNamespace(names=["w"], iter_tensors=lambda: iter([("w", torch.zeros(2))]))
+    batch = types.SimpleNamespace(sequences=[], generated_tokens=0, length=len)
+
+    def make_batch(timer):
+        engine.generate([[1, 2, 3]], n=1)
+        return batch
+
+    cfg = types.SimpleNamespace(
+        trainer=types.SimpleNamespace(total_steps=2, validation_interval_steps=0),
+        checkpoint=types.SimpleNamespace(save_interval_steps=1))
+    trainer = types.SimpleNamespace(
+        cfg=cfg, engine=engine, optimizer=optimizer, chunks=[], checkpoints=checkpoints,
+        streamer=streamer, offload_train_state=True, _train_state_offloaded=False, step=0,
+        metrics=None, val_rows=None, make_batch=make_batch,
+        _count_replays=lambda b: None, advantage=lambda b: None, mini_batches=lambda b: [],
+        old_logprob=lambda b, plan: (calls.append("old log-probs") or ([], {})),
+        train=lambda tb: (calls.append("train") or {}), step_metrics=lambda b, t, o: {},
+        _log=lambda step, metrics: None)
+    for name in ("run", "train_step", "save_checkpoint", "restore_train_state",
+                 "offload_train_state_now", "weight_sync"):
         setattr(trainer, name, getattr(Trainer, name).__get__(trainer))
-    trainer.save_checkpoint()  # nothing offloaded: a plain save
-    assert calls == ["save"]
-    calls.clear()
-    trainer.offload_train_state_now()
-    trainer.save_checkpoint()
-    assert calls == ["offload", "engine sleeps", "restore", "save", "offload", "engine wakes"]
-    assert trainer._train_state_offloaded
+    trainer.run()
+    assert trainer.step == 2
+    sleep, wake = "engine sleeps (level 2)", "engine wakes ['weights']"
+    checkpoint = [sleep, "restore", "save", "offload", wake, "weights synced"]
+    assert calls == ["weights synced",
+                     "generate", sleep, "old log-probs", "train", "offload", wake,
+                     "weights synced", *checkpoint,
+                     "engine wakes ['kv_cache']", "generate", sleep, "restore",
+                     "old log-probs", "train", "offload", wake, "weights synced", *checkpoint]
+    assert trainer._train_state_offloaded and not engine.stale
