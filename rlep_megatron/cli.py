@@ -24,6 +24,7 @@ import yaml
 from rlep_megatron import config as config_lib
 from rlep_megatron.distributed import (exit_now_if_multi_rank, get_rank, in_multi_rank_job,
                                        setup_logging)
+from rlep_megatron.platform import DeviceError
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,21 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_for_job(args: argparse.Namespace):
+    """The run's config, and the device chosen before anything is built (no silent CPU
+    fall-back on a GPU node: :func:`rlep_megatron.platform.choose_device`)."""
+    from rlep_megatron import platform
+
+    cfg = config_lib.load_config(args.config, args.overrides)
+    device = platform.choose_device(cfg.trainer.device)
+    logger.info("device: %s (trainer.device=%s)", device, cfg.trainer.device)
+    return cfg
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlep_megatron.trainer import run_train
 
-    cfg = config_lib.load_config(args.config, args.overrides)
+    cfg = _load_for_job(args)
     out = run_train(cfg)
     logger.info("training finished: %s", out)
     return 0
@@ -60,7 +72,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_collect(args: argparse.Namespace) -> int:
     from rlep_megatron.collect import run_collect
 
-    cfg = config_lib.load_config(args.config, args.overrides)
+    cfg = _load_for_job(args)
     run_collect(cfg)
     return 0
 
@@ -68,7 +80,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from rlep_megatron.evaluate import run_eval
 
-    cfg = config_lib.load_config(args.config, args.overrides)
+    cfg = _load_for_job(args)
     run_eval(cfg)
     return 0
 
@@ -122,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(log_all_ranks=getattr(args, "log_all_ranks", False))
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, DeviceError) as err:
         logger.error("%s", err)
         print(f"rlep {args.command}: error: {err}", file=sys.stderr)
         code = 2

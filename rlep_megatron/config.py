@@ -328,6 +328,11 @@ class TrainerConfig:
     micro-batch to its longest sequence; the log-probs and the loss are the same within
     float rounding. Sequences are split across data-parallel ranks by token count either way.
     """
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """What every rank runs on (``rlep train``, ``collect``, ``eval``): ``auto`` takes the
+    GPUs torch sees and the CPU on a machine without NVIDIA GPUs, and stops with the reason
+    when the driver sees GPUs that torch cannot use (no silent CPU fall-back); ``cuda``
+    requires a GPU; ``cpu`` runs on the CPU even where GPUs exist."""
     validation_interval_steps: int = 5
     """Validate every N steps (and at step 0); 0 disables validation."""
     log_all_ranks: bool = False
@@ -349,6 +354,8 @@ class TrainerConfig:
         if unknown:
             raise ValueError(f"trainer.loggers: unknown {unknown}; choose from tensorboard, "
                              "wandb (metrics.jsonl is always written)")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"trainer.device must be auto, cuda or cpu, got {self.device!r}")
         if self.total_steps < 0:
             raise ValueError(f"trainer.total_steps must be >= 0, got {self.total_steps}")
         if self.mini_batch_size < 1:

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 import types
@@ -77,6 +78,96 @@ class Platform:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+DEVICE_MODES = ("auto", "cuda", "cpu")
+
+
+class DeviceError(RuntimeError):
+    """The device ``trainer.device`` asks for cannot be used here (reported without a
+    traceback, before anything is built)."""
+
+
+def nvidia_gpus() -> list[str]:
+    """The NVIDIA GPUs the driver sees, one line each (``nvidia-smi -L``), whatever torch can
+    use; empty without ``nvidia-smi`` or when it fails (no driver)."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listing.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def _nvidia_driver_version() -> str:
+    import shutil
+    import subprocess
+
+    try:
+        query = subprocess.run([shutil.which("nvidia-smi") or "nvidia-smi",
+                                "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+        return query.stdout.split("\n")[0].strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _gpus_hidden_on_purpose() -> bool:
+    """``CUDA_VISIBLE_DEVICES`` set to nothing (or -1): the user chose the CPU."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return value is not None and value.strip() in ("", "-1")
+
+
+def choose_device(mode: str = "auto") -> str:
+    """Decide, before any model or engine is built, what this process runs on
+    (``trainer.device``) and return ``"cuda"`` or ``"cpu"``:
+
+    * ``cuda``: torch must see a GPU, or an error says why it does not;
+    * ``cpu``: hide the GPUs from this process (``CUDA_VISIBLE_DEVICES=""``, before CUDA is
+      initialised), so torch, megatron-core and vLLM all run on the CPU;
+    * ``auto``: CUDA when torch sees a GPU; the CPU when the machine has no NVIDIA GPU or they
+      are hidden on purpose (``CUDA_VISIBLE_DEVICES=""``). A machine whose driver sees GPUs
+      that torch cannot use (a driver older than torch's CUDA, a CPU build of torch) is an
+      error naming the mismatch, not a silent fall-back that builds a large model on the CPU.
+    """
+    if mode not in DEVICE_MODES:
+        raise ValueError(f"trainer.device must be one of {', '.join(DEVICE_MODES)}; "
+                         f"got {mode!r}")
+    if mode == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():  # CUDA was initialised before the variable took effect
+            raise DeviceError("trainer.device=cpu, but CUDA was initialised before the choice "
+                               "could hide the GPUs; set CUDA_VISIBLE_DEVICES='' instead")
+        return "cpu"
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        usable = torch.cuda.is_available()
+    if usable:
+        return "cuda"
+    why = "; ".join(str(w.message).strip() for w in caught) or "torch.cuda.is_available() is False"
+    gpus = [] if _gpus_hidden_on_purpose() else nvidia_gpus()
+    if mode == "auto" and not gpus:
+        return "cpu"
+    where = (f"the NVIDIA driver {_nvidia_driver_version()} sees {len(gpus)} GPU(s) "
+             f"({gpus[0]}{', ...' if len(gpus) > 1 else ''})" if gpus else
+             "trainer.device=cuda")
+    if torch.version.cuda is None:
+        cause = (f"torch {torch.__version__} is a CPU build; install the CUDA build "
+                 "(scripts/setup_gpu.sh)")
+    else:
+        cause = (f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) cannot use "
+                 f"them ({why}); the driver is probably older than CUDA "
+                 f"{torch.version.cuda} needs: update the driver, or install a torch built "
+                 "for a CUDA the driver supports")
+    raise DeviceError(f"{where}, but {cause}. To run on the CPU on purpose, set "
+                       "trainer.device=cpu")
 
 
 def select_platform(local_rank: int = 0) -> Platform:

@@ -90,19 +90,22 @@ say "installing rlep_megatron[gpu,dev] (vLLM and what it pins)"
 
 # --- TransformerEngine -------------------------------------------------------------------------
 cuda_include_dirs() {
-    # headers the TE torch extension includes that a CUDA toolkit does not ship (cuDNN,
-    # cudnn-frontend), from the pip packages in the venv; one directory per line
+    # headers the TE torch extension (and torch's own CUDA headers) include that a CUDA
+    # toolkit may lack: cuDNN is never part of it, cudnn-frontend neither, and a minimal
+    # toolkit has no cuSPARSE/cuBLAS headers. Taken from the pip packages torch and vLLM
+    # installed; searched after the toolkit's own include directory. One directory per line.
     "$PY" - <<'PY'
-import importlib, os, sys, sysconfig
-bases = [os.path.join(sysconfig.get_paths()["purelib"], "include"), os.path.join(sys.prefix, "include")]
-for name in ("nvidia.cudnn", "cudnn"):
-    try:
-        bases += [os.path.join(p, "include") for p in importlib.import_module(name).__path__]
-    except Exception:
-        pass
-for base in bases:
-    if any(os.path.isfile(os.path.join(base, h)) for h in ("cudnn.h", "cudnn_frontend.h")):
-        print(base)
+import glob, importlib, os, sysconfig
+site = sysconfig.get_paths()["purelib"]
+dirs = [os.path.join(site, "include")]
+try:
+    for root in importlib.import_module("nvidia").__path__:
+        dirs += sorted(glob.glob(os.path.join(root, "*", "include")))
+except Exception:
+    pass
+for d in dirs:
+    if glob.glob(os.path.join(d, "*.h")):
+        print(d)
 PY
 }
 te_status="off (WITH_TE=0)"

@@ -1,4 +1,5 @@
 """The CPU shim for megatron-core: scoped to megatron's modules, CPU-only, separate RNG streams."""
+import os
 import warnings
 
 import pytest
@@ -178,3 +179,40 @@ def test_transformer_engine_modes(monkeypatch):
     assert platform.use_transformer_engine("auto") is True
     assert platform.use_transformer_engine("required") is True
     assert platform.use_transformer_engine("off") is False
+
+
+def test_device_choice_refuses_gpus_torch_cannot_use(monkeypatch):
+    """``trainer.device=auto`` falls back to the CPU only where no NVIDIA GPU exists or the
+    GPUs are hidden on purpose; a GPU that torch cannot use is an error naming the driver and
+    the CUDA torch was built for."""
+    import warnings
+
+    from rlep_megatron import platform
+
+    def no_cuda():
+        warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old "
+                      "(found version 12020).")
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(platform, "_nvidia_driver_version", lambda: "535.104.05")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(platform, "nvidia_gpus", lambda: [])
+    assert platform.choose_device("auto") == "cpu"  # no NVIDIA GPU here
+    with pytest.raises(platform.DeviceError, match="trainer.device=cuda, but torch"):
+        platform.choose_device("cuda")
+    monkeypatch.setattr(platform, "nvidia_gpus", lambda: ["GPU 0: NVIDIA H100", "GPU 1: X"])
+    with pytest.raises(platform.DeviceError) as err:
+        platform.choose_device("auto")
+    message = str(err.value)
+    assert "NVIDIA driver 535.104.05 sees 2 GPU(s)" in message
+    assert "built for CUDA 13.0" in message and "driver on your system is too old" in message
+    assert "trainer.device=cpu" in message
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose: the CPU, quietly
+    assert platform.choose_device("auto") == "cpu"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert platform.choose_device("cpu") == "cpu"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    with pytest.raises(ValueError, match="auto, cuda, cpu"):
+        platform.choose_device("gpu")
