@@ -10,23 +10,28 @@ from typing import Any, Optional, Sequence
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _env(extra: Optional[dict[str, str]]) -> dict[str, str]:
+def _env(extra: Optional[dict[str, str]], gpu: bool = False) -> dict[str, str]:
+    """The environment of a test's subprocess. CPU tests hide every GPU
+    (``CUDA_VISIBLE_DEVICES=""``), so that they test the CPU path on any machine; gpu tests
+    keep the parent's ``CUDA_VISIBLE_DEVICES`` exactly, unset included."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra or {})
     return env
 
 
 def run_torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 600,
-                 env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+                 env: Optional[dict[str, str]] = None, gpu: bool = False
+                 ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node nproc script args``; raises with the output's tail
-    when a rank fails or the run exceeds ``timeout_s``."""
+    when a rank fails or the run exceeds ``timeout_s``. ``gpu``: the ranks see the GPUs."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", script, *args]
     try:
-        proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(env), capture_output=True,
+        proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(env, gpu), capture_output=True,
                               text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as err:
         tail = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (err.stdout or "")

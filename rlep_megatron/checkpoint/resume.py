@@ -7,6 +7,7 @@ Layout under ``<trainer.output_dir>/checkpoints/``::
                            the model loads at any TP/PP; the distributed optimizer's state is
                            each rank's shard (megatron's dp_reshardable): any DP, same TP/PP)
         trainer_state.pt   step, prompt sampler, replay sampler, optimizer counters, RNG states
+                           (host streams; every rank's CUDA and megatron model-parallel streams)
         meta.json          written last: step, model fingerprint, parallel layout and layer
                            spec (TransformerEngine or local),
                            "complete": true
@@ -199,6 +200,32 @@ class CheckpointManager:
                     "torch": torch.get_rng_state()},
         }
 
+    @staticmethod
+    def _device_rng_state() -> dict:
+        """This rank's device RNG streams: CUDA's default generator (on a GPU) and megatron's
+        named model-parallel streams (dropout, initialisation; the CPU shim's tracker on
+        CPU). They differ between ranks, so every rank's are kept."""
+        from megatron.core import tensor_parallel
+
+        state = {"tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    @staticmethod
+    def _restore_device_rng_state(per_rank) -> None:
+        from megatron.core import tensor_parallel
+
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        if not per_rank or len(per_rank) != world:
+            logger.info("the checkpoint has no device RNG state for %d ranks: the device RNG "
+                        "streams start fresh", world)
+            return
+        mine = per_rank[rank]
+        tensor_parallel.get_cuda_rng_tracker().set_states(mine["tracker"])
+        if "cuda" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda"])
+
     def save(self, trainer) -> str:
         from megatron.core import dist_checkpointing
 
@@ -212,9 +239,13 @@ class CheckpointManager:
             os.makedirs(os.path.join(partial, "dist"))
         distributed.barrier()
         dist_checkpointing.save(self._sharded_state(trainer), os.path.join(partial, "dist"))
+        device_rng = distributed.all_gather_object(
+            {key: (value.cpu() if torch.is_tensor(value) else value)
+             for key, value in self._device_rng_state().items()})
         distributed.barrier()
         if rank0:
-            torch.save(self._trainer_state(trainer), os.path.join(partial, "trainer_state.pt"))
+            torch.save({**self._trainer_state(trainer), "device_rng": device_rng},
+                       os.path.join(partial, "trainer_state.pt"))
             meta = {"step": trainer.step, "model": self.fingerprint, "layout": self._layout(),
                     "layer_spec": layer_spec_name(trainer.info.use_te),
                     "complete": True}
@@ -256,5 +287,6 @@ class CheckpointManager:
         random.setstate(extra["rng"]["python"])
         np.random.set_state(extra["rng"]["numpy"])
         torch.set_rng_state(extra["rng"]["torch"])
+        self._restore_device_rng_state(extra.get("device_rng"))
         logger.info("resumed from %s (step %d)", path, trainer.step)
         return True

@@ -19,6 +19,10 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
+                        help="the layer spec (model.transformer_engine)")
+    parser.add_argument("--pack-max-tokens", type=int, default=None,
+                        help="sequence packing (THD) with this token budget per micro-batch")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hf_config = load_hf_config(args.hf_dir)
@@ -28,13 +32,17 @@ def main():
         seed=0, num_attention_heads=hf_config["num_attention_heads"],
         num_query_groups=hf_config["num_key_value_heads"],
         num_layers=hf_config["num_hidden_layers"])
-    chunks, info = build_from_hf(args.hf_dir, args.dtype)
+    chunks, info = build_from_hf(args.hf_dir, args.dtype,
+                                 transformer_engine=args.transformer_engine)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
-    result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2, with_entropy=True)
+    result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2, with_entropy=True,
+                               lengths=lengths, pack_max_tokens=args.pack_max_tokens)
     from megatron.core import parallel_state as ps
 
     if result is not None and ps.get_tensor_model_parallel_rank() == 0:
-        torch.save({"input_ids": input_ids, "lengths": lengths, **result}, args.out)
+        torch.save({"input_ids": input_ids, "lengths": lengths, **result,
+                    "device": str(next(chunks[0].parameters()).device),
+                    "transformer_engine": info.use_te}, args.out)
     distributed.destroy()
 
 

@@ -59,13 +59,17 @@ def main():
     parser.add_argument("--packing", action="store_true",
                         help="sequence packing for the old log-probs and the step, and the "
                              "token-balanced split over data-parallel ranks")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
+                        help="the layer spec (model.transformer_engine)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     ctx = distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                        virtual_pipeline_model_parallel_size=args.vpp),
         seed=0)
-    chunks, info = build_from_hf(args.hf_dir, "float32", recompute_activations=args.recompute)
+    chunks, info = build_from_hf(args.hf_dir, args.dtype, recompute_activations=args.recompute,
+                                 transformer_engine=args.transformer_engine)
     # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise
     # amplify 1e-9 differences in near-zero gradients to O(lr)
     # (the comparison with the transformers reference takes a realistic eps and a weight decay
@@ -74,7 +78,7 @@ def main():
                             clip_grad=1.0, adam_eps=args.adam_eps,
                             use_distributed_optimizer=args.distributed_optimizer)
     chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
-    optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
+    optimizer = build_optimizer(chunks, optim_cfg, info.params_dtype)
 
     input_ids, response_mask, advantages, is_replay, noise = global_batch()
     # old log-probs: the current policy's, perturbed so ratios leave the clip range
@@ -85,8 +89,8 @@ def main():
     from megatron.core import parallel_state as ps
 
     old_logp = torch.zeros(input_ids.shape) if old is None else old["logp"]
-    torch.distributed.broadcast(old_logp, src=ps.get_pipeline_model_parallel_last_rank(),
-                                group=ps.get_pipeline_model_parallel_group())
+    old_logp = distributed.broadcast(old_logp, src=ps.get_pipeline_model_parallel_last_rank(),
+                                     group=ps.get_pipeline_model_parallel_group()).cpu()
     clean_old_logp = old_logp.clone()
     old_logp = old_logp + noise
     dp, dp_rank = ctx.data_parallel_size, ctx.data_parallel_rank
@@ -106,7 +110,9 @@ def main():
         torch.save({"weights": merged, "metrics": metrics, "old_logp": old_logp,
                     "clean_old_logp": clean_old_logp, "lengths": lengths,
                     "optimizers": [type(o).__name__ for o in inner],
-                    "adam_state_numel": adam_state_numel(optimizer)}, args.out)
+                    "adam_state_numel": adam_state_numel(optimizer),
+                    "device": str(next(chunks[0].parameters()).device),
+                    "transformer_engine": info.use_te}, args.out)
     distributed.destroy()
 
 

@@ -1,11 +1,18 @@
 """On one GPU (``scripts/gpu_check.sh``; skipped without CUDA): the actor in bf16 against
-transformers, one train step against the transformers + AdamW reference, and the rollout
-engine's sleep / wake / sync / generate cycle with parity after the wake.
+transformers (local spec and TransformerEngine, padded and packed), one fp32 train step against
+the transformers + AdamW reference, the same step in bf16 with TransformerEngine, and the
+rollout engine's sleep / wake / sync / generate cycle with parity after the wake.
+
+Every program runs with the parent's ``CUDA_VISIBLE_DEVICES`` (unset stays unset) and reports
+the device its parameters live on: a test that ran on the CPU fails.
 
 Tolerances: bf16 keeps 8 bits of mantissa (relative rounding 2^-9 per operation); the tiny
 model's logits are O(1), so per-token log-probs of the same weights differ by O(1e-2) between
-two bf16 implementations; fp32 on a GPU may use other reduction orders than the CPU reference,
-so its bound is 1e-4 rather than the CPU tests' 2e-6."""
+two bf16 implementations (and between packed and padded batches, whose kernels differ); fp32
+on a GPU may use other reduction orders than the CPU reference, so its bound is 1e-4 rather
+than the CPU tests' 2e-6. fp32 checks run on megatron-core's local spec with TF32 disabled
+(``NVIDIA_TF32_OVERRIDE=0``): TransformerEngine computes fp32 GEMMs in TF32 (10-bit mantissa),
+which is a bf16-class error, not an fp32 one."""
 import json
 
 import pytest
@@ -17,6 +24,30 @@ from tests.torchrun import run_torchrun
 pytestmark = pytest.mark.gpu
 
 BF16_MEAN, BF16_MAX = 0.02, 0.15
+NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
+
+
+def run_on_gpu(script: str, args: list[str], timeout_s: float = 600,
+               env: dict[str, str] | None = None):
+    """One rank on the GPU: the parent's CUDA_VISIBLE_DEVICES is kept as it is."""
+    return run_torchrun(script, 1, args, timeout_s=timeout_s, env=env, gpu=True)
+
+
+def assert_on_cuda(device: str) -> None:
+    assert device.startswith("cuda"), f"the program ran on {device}, not on the GPU"
+
+
+def spec_flag(spec: str) -> str:
+    """``te`` needs TransformerEngine: skipped (a gpu test may skip) on a GPU stack set up
+    without it (WITH_TE=0), never silently run on the local spec."""
+    if spec == "te":
+        from rlep_megatron import platform
+
+        usable, why = platform.transformer_engine_status()
+        if not usable:
+            pytest.skip(f"TransformerEngine is not usable here: {why}")
+        return "required"
+    return "off"
 
 
 def token_diffs(logp, reference, lengths):
@@ -25,13 +56,25 @@ def token_diffs(logp, reference, lengths):
     return (logp.double() - reference)[valid].abs()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_bf16_actor_logprobs_match_transformers(arch, request, tmp_path):
-    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    out = tmp_path / "logp.pt"
-    run_torchrun("tests/distributed/actor_logprob_program.py", 1,
-                 ["--hf-dir", hf_dir, "--dtype", "bfloat16", "--out", str(out)])
+def actor_logprobs(hf_dir, out, dtype, spec, pack_max_tokens=None, env=None):
+    args = ["--hf-dir", hf_dir, "--dtype", dtype, "--transformer-engine", spec_flag(spec),
+            "--out", str(out)]
+    if pack_max_tokens:
+        args += ["--pack-max-tokens", str(pack_max_tokens)]
+    run_on_gpu("tests/distributed/actor_logprob_program.py", args, env=env)
     result = torch.load(out)
+    assert_on_cuda(result["device"])
+    assert result["transformer_engine"] == (spec == "te")
+    return result
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("spec", ["local", "te"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_bf16_actor_logprobs_match_transformers(arch, spec, packed, request, tmp_path):
+    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    result = actor_logprobs(hf_dir, tmp_path / "logp.pt", "bfloat16", spec,
+                            pack_max_tokens=64 if packed else None)
     reference = hf_token_logprobs(hf_dir, result["input_ids"], result["lengths"])
     diffs = token_diffs(result["logp"], reference, result["lengths"])
     assert diffs.numel() > 50
@@ -39,11 +82,42 @@ def test_bf16_actor_logprobs_match_transformers(arch, request, tmp_path):
         diffs.mean().item(), diffs.max().item())
 
 
-def test_one_train_step_matches_transformers_and_adamw(tiny_qwen2_dir, tmp_path):
-    from tests.distributed.test_actor_train_step import reference_step, train
+@pytest.mark.parametrize("spec", ["local", "te"])
+def test_packed_equals_padded_on_the_gpu(spec, tiny_qwen2_dir, tmp_path):
+    """The THD path (TransformerEngine's packed attention with ``te``) against the padded
+    batch of the same layer spec: bf16 bound; and fp32 on the local spec without TF32."""
+    padded = actor_logprobs(tiny_qwen2_dir, tmp_path / "padded.pt", "bfloat16", spec)
+    packed = actor_logprobs(tiny_qwen2_dir, tmp_path / "packed.pt", "bfloat16", spec,
+                            pack_max_tokens=64)
+    diffs = token_diffs(packed["logp"], padded["logp"].double(), padded["lengths"])
+    assert diffs.mean().item() <= BF16_MEAN and diffs.max().item() <= BF16_MAX, (
+        diffs.mean().item(), diffs.max().item())
+    if spec == "local":
+        padded = actor_logprobs(tiny_qwen2_dir, tmp_path / "padded32.pt", "float32", spec,
+                                env=NO_TF32)
+        packed = actor_logprobs(tiny_qwen2_dir, tmp_path / "packed32.pt", "float32", spec,
+                                pack_max_tokens=64, env=NO_TF32)
+        diffs = token_diffs(packed["logp"], padded["logp"].double(), padded["lengths"])
+        assert diffs.max().item() <= 1e-4, diffs.max().item()
 
-    step = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / "step.pt", "--adam-eps", "1e-6",
-                 "--weight-decay", "1.0")
+
+def train_on_gpu(hf_dir, out, *extra, env=None):
+    run_on_gpu("tests/distributed/actor_train_program.py",
+               ["--hf-dir", hf_dir, "--tp", "1", "--pp", "1", "--out", str(out), *extra],
+               env=env)
+    step = torch.load(out)
+    assert_on_cuda(step["device"])
+    return step
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_one_fp32_train_step_matches_transformers_and_adamw(packed, tiny_qwen2_dir, tmp_path):
+    from tests.distributed.test_actor_train_step import reference_step
+
+    step = train_on_gpu(tiny_qwen2_dir, tmp_path / "step.pt", "--adam-eps", "1e-6",
+                        "--weight-decay", "1.0", "--transformer-engine", "off",
+                        *(["--packing"] if packed else []), env=NO_TF32)
+    assert step["transformer_engine"] is False
     reference, reference_loss = reference_step(tiny_qwen2_dir, step["old_logp"].cpu(),
                                                eps=1e-6, weight_decay=1.0)
     assert step["metrics"]["step_applied"] == 1.0
@@ -52,12 +126,42 @@ def test_one_train_step_matches_transformers_and_adamw(tiny_qwen2_dir, tmp_path)
         torch.testing.assert_close(tensor.cpu(), reference[name], rtol=0, atol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("spec", ["local", "te"])
+def test_one_bf16_train_step_follows_the_fp32_reference(spec, tiny_qwen2_dir, tmp_path):
+    """bf16 weights (fp32 main parameters in the optimizer) after one step against the fp32
+    transformers + AdamW step. Adam's first step moves each element by about lr = 1e-3 in the
+    sign of its gradient, so bf16 gradient noise can flip the sign only where the gradient is
+    near zero: the mean distance stays far below lr and the largest is at most 2 lr plus the
+    bf16 rounding of the weight; a wrong gradient would put the mean near lr."""
+    from safetensors.torch import load_file
+
+    from tests.distributed.test_actor_train_step import reference_step
+
+    step = train_on_gpu(tiny_qwen2_dir, tmp_path / "step.pt", "--adam-eps", "1e-6",
+                        "--weight-decay", "1.0", "--dtype", "bfloat16",
+                        "--transformer-engine", spec_flag(spec), "--packing")
+    assert step["transformer_engine"] == (spec == "te")
+    reference, _ = reference_step(tiny_qwen2_dir, step["old_logp"].cpu().float(), eps=1e-6,
+                                  weight_decay=1.0)
+    initial = load_file(f"{tiny_qwen2_dir}/model.safetensors")
+    lr = 1e-3
+    for name, tensor in step["weights"].items():
+        ours, ref = tensor.cpu().float(), reference[name]
+        diff = (ours - ref).abs()
+        rounding = ref.abs() * 2.0 ** -8
+        assert (diff <= 2 * lr + rounding + 1e-6).all(), (name, diff.max().item())
+        if ref.dim() == 2 and ".layers." in name:
+            assert diff.mean().item() <= 0.25 * lr, (name, diff.mean().item())
+            assert (ours - initial[name].float()).abs().mean().item() > 0.5 * lr, name
+
+
 def test_sleep_wake_sync_generate_cycle_keeps_parity(tiny_qwen2_dir, tmp_path):
     out = tmp_path / "report.json"
-    run_torchrun("tests/vllm/rollout_sync_program.py", 1,
-                 ["--hf-dir", tiny_qwen2_dir, "--rollout-tp", "1", "--layouts", "1x1",
-                  "--sleep-cycle", "--dtype", "bfloat16", "--out", str(out)], timeout_s=900)
+    run_on_gpu("tests/vllm/rollout_sync_program.py",
+               ["--hf-dir", tiny_qwen2_dir, "--rollout-tp", "1", "--layouts", "1x1",
+                "--sleep-cycle", "--dtype", "bfloat16", "--out", str(out)], timeout_s=900)
     entry = json.loads(out.read_text())["layouts"]["1x1"]
+    assert_on_cuda(entry["device"])
     assert entry["memory_after_wake"] == "weights only"  # staged: the KV cache comes later
     assert entry["memory_after_generate"] == "awake"
     for key in ("parity_after", "parity_after_sleep"):

@@ -105,7 +105,8 @@ def main():
         chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
         optimizer = build_optimizer(chunks, optim_cfg, info.params_dtype)
         streamer = WeightStreamer(chunks, info, args.bucket_bytes)
-        entry = {"buckets": len(streamer.buckets), "tensors": len(streamer.names)}
+        entry = {"buckets": len(streamer.buckets), "tensors": len(streamer.names),
+                 "device": str(next(chunks[0].parameters()).device)}
         # the engine holds the previous layout's (or the checkpoint's) weights: step away first
         take_step(chunks, optimizer, info, ctx, prompts, first, seed=100 + number)
         entry["sync1"] = sync_weights(engine, streamer)
