@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Several nodes: run this on every node with the same MASTER_ADDR and its own NODE_RANK.
-#   NNODES=8 NODE_RANK=0 MASTER_ADDR=node0.cluster scripts/train_multinode.sh examples/rlep.yaml
-# Optional: GPUS_PER_NODE (default 8), MASTER_PORT (default 29500), PYTHON.
+#   NNODES=8 NODE_RANK=0 MASTER_ADDR=node0.cluster IFNAME=eth1 scripts/train_multinode.sh examples/rlep.yaml
+# MASTER_ADDR is node 0's address on the network the nodes share; node 0 hosts torchrun's
+# rendezvous there (is_host is set explicitly: torchrun's own guess compares MASTER_ADDR with
+# the hostname's addresses and misses secondary interfaces). NODE_ADDR (default: the address
+# the route to MASTER_ADDR leaves from) is this node's address on that network, given to
+# torchrun as --local-addr so that the ranks' process group reaches node 0 on it too.
+# Optional: GPUS_PER_NODE (default 8), MASTER_PORT (default 29500), IFNAME (the interface of
+# that network: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), PYTHON (see scripts/_launch_env.sh).
 # torchrun's c10d rendezvous waits for all NNODES nodes, then starts GPUS_PER_NODE ranks each.
 set -euo pipefail
 if [ "$#" -lt 1 ]; then
@@ -11,12 +17,21 @@ fi
 : "${NNODES:?set NNODES (number of nodes)}"
 : "${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (host of node 0, reachable from every node)}"
-MASTER_PORT=${MASTER_PORT:-29500}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-PYTHON=${PYTHON:-python}
+source "$(dirname "${BASH_SOURCE[0]}")/_launch_env.sh"
 RECIPE=$1
 shift
+MASTER_PORT=${MASTER_PORT:-29500}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+if [ -z "${NODE_ADDR:-}" ]; then
+    NODE_ADDR="$(ip route get "$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR==1{print $1}')" 2>/dev/null \
+                 | sed -n 's/.* src \([0-9.]*\).*/\1/p' | head -1 || true)"
+fi
+IS_HOST=$([ "$NODE_RANK" = "0" ] && echo 1 || echo 0)
+echo "train_multinode.sh: node $NODE_RANK/$NNODES (${NODE_ADDR:-address unknown}), rendezvous" \
+     "$MASTER_ADDR:$MASTER_PORT, $GPUS_PER_NODE ranks, python $PYTHON," \
+     "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-unset} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-unset}"
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d \
     --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "rlep-$MASTER_ADDR-$MASTER_PORT" \
+    --rdzv-conf "is_host=$IS_HOST" ${NODE_ADDR:+--local-addr "$NODE_ADDR"} \
     -m rlep_megatron.cli train --config "$RECIPE" "$@"

@@ -1,8 +1,9 @@
-"""The multi-node launcher, run as two "nodes" on this machine: two `scripts/train_multinode.sh`
-processes (torchrun with a c10d rendezvous on localhost, one rank each) train a few tiny steps,
-and their metrics equal those of the same job launched as two ranks on one node."""
+"""The multi-node launcher across two hosts: two network namespaces joined by a veth pair, each
+a "node" with its own address and interface, run `scripts/train_multinode.sh` (torchrun with a
+c10d rendezvous on node 0's address, one rank each, gloo bound to each node's interface by
+IFNAME); their metrics equal those of the same job launched as two ranks on one node."""
 import os
-import socket
+import shutil
 import subprocess
 import sys
 
@@ -17,29 +18,59 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 requires("vllm")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-def test_two_localhost_nodes_train_like_one_node_of_two_ranks(tiny_qwen2_dir, tmp_path):
+@pytest.fixture
+def two_hosts():
+    """``[(namespace, address, interface)] x 2`` on a private /24, removed afterwards."""
+    if shutil.which("ip") is None:
+        pytest.fail("this test needs iproute2 (`ip netns`) and the right to create namespaces")
+    tag = os.getpid() % 10000
+    subnet = f"10.{200 + tag % 50}.{tag % 250}"
+    hosts = [(f"rlep{tag}n{i}", f"{subnet}.{i + 1}", f"rlep{tag}v{i}") for i in range(2)]
+    try:
+        for namespace, _, _ in hosts:
+            _ip("netns", "add", namespace)
+        _ip("link", "add", hosts[0][2], "type", "veth", "peer", "name", hosts[1][2])
+        for namespace, address, interface in hosts:
+            _ip("link", "set", interface, "netns", namespace)
+            _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", interface)
+            _ip("-n", namespace, "link", "set", interface, "up")
+            _ip("-n", namespace, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for namespace, _, _ in hosts:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+
+
+def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, tmp_path):
     task = small_task(str(tmp_path / "task"))
     args = lambda out: [*train_overrides(tiny_qwen2_dir, task, str(out), steps=2),  # noqa: E731
                         "trainer.validation_interval_steps=1"]
-    port = free_port()
+    master = two_hosts[0][1]
     nodes = []
-    for node_rank in (0, 1):
-        env = _env({"NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port), "GPUS_PER_NODE": "1", "PYTHON": sys.executable})
+    for node_rank, (namespace, _, interface) in enumerate(two_hosts):
+        env = _env({"NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": master,
+                    "MASTER_PORT": "29500", "GPUS_PER_NODE": "1", "IFNAME": interface,
+                    "PYTHON": sys.executable})
         nodes.append(subprocess.Popen(
-            ["bash", os.path.join(REPO_ROOT, "scripts", "train_multinode.sh"),
+            ["ip", "netns", "exec", namespace, "bash",
+             os.path.join(REPO_ROOT, "scripts", "train_multinode.sh"),
              recipe("tiny_cpu_baseline.yaml"), *args(tmp_path / "nodes")],
             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True))
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-4000:]
+    for (_, address, interface), output in zip(two_hosts, outputs):
+        assert f"({address}), rendezvous {master}:29500" in output
+        assert f"GLOO_SOCKET_IFNAME={interface}" in output
     run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"), *args(tmp_path / "one")],
              nproc=2)
     multi = read_jsonl(tmp_path / "nodes" / "metrics.jsonl")
