@@ -221,9 +221,11 @@ class AlgoConfig:
     kl_clamp: Optional[float] = None
     """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (null: no clamp); verl clamps
     its low-variance KL at 10."""
-    reference_offload: bool = False
+    reference_offload: bool = True
     """Keep the reference model's weights in CPU memory between its uses (GPU only; on CPU
-    the weights are in CPU memory anyway)."""
+    the weights are in CPU memory anyway). On by default: a second copy of the weights on
+    the GPU takes what the rollout's KV cache needs (a 7B KL run without it is at or over an
+    80 GB GPU); false trades that memory for two host-device copies per step."""
     rollout_correction: Literal["off", "truncate", "mask"] = "off"
     """Correct for the rollout engine / actor probability gap on fresh tokens
     (:mod:`rlep_megatron.algo.correction`), rho = pi_old / pi_rollout: ``truncate`` weights

@@ -227,6 +227,10 @@ class Trainer:
                              "works on the model's own weights, which must stay on the GPU")
         self._train_state_offloaded = False
         self.max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+        # with offload the engine is built (and sizes its KV cache from the free memory) while
+        # the gradient buffers and optimizer state are off the GPU: the memory they hold during
+        # the update is the rollout's the rest of the time; they come back while it sleeps
+        self.offload_train_state_now()
         self.engine = RolloutEngine(
             cfg.model.hf_dir, cfg.rollout, dtype=str(self.info.params_dtype).split(".")[-1],
             seed=cfg.trainer.seed, max_model_len=self.max_model_len, load_weights=False)
@@ -636,7 +640,14 @@ class Trainer:
         from rlep_megatron.metrics import progress
 
         cfg = self.cfg
-        resumed = self.checkpoints.maybe_resume(self)
+        if self._train_state_offloaded:
+            # loading a checkpoint needs the train state on the GPU: back while the engine sleeps
+            with self.engine.released():
+                self.restore_train_state()
+                resumed = self.checkpoints.maybe_resume(self)
+                self.offload_train_state_now()
+        else:
+            resumed = self.checkpoints.maybe_resume(self)
         if self.metrics is not None:
             # records after the checkpoint (or all of them on a fresh start) are redone
             self.metrics.truncate_after(self.step if resumed else -1)

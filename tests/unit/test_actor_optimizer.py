@@ -204,7 +204,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
         checkpoint=types.SimpleNamespace(save_interval_steps=1))
     trainer = types.SimpleNamespace(
         cfg=cfg, engine=engine, optimizer=optimizer, chunks=[], checkpoints=checkpoints,
-        streamer=streamer, offload_train_state=True, _train_state_offloaded=False, step=0,
+        streamer=streamer, offload_train_state=True, _train_state_offloaded=True, step=0,
         metrics=None, val_rows=None, make_batch=make_batch,
         _count_replays=lambda b: None, advantage=lambda b: None, mini_batches=lambda b: [],
         old_logprob=lambda b, plan: (calls.append("old log-probs") or ([], {})),
@@ -213,13 +213,14 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     for name in ("run", "train_step", "save_checkpoint", "restore_train_state",
                  "offload_train_state_now", "weight_sync"):
         setattr(trainer, name, getattr(Trainer, name).__get__(trainer))
-    trainer.run()
+    checkpoints.maybe_resume = lambda trainer: calls.append("resume?") or False
+    trainer.run()  # built with the train state offloaded (so the engine could size its cache)
     assert trainer.step == 2
     sleep, wake = "engine sleeps (level 2)", "engine wakes ['weights']"
     checkpoint = [sleep, "restore", "save", "offload", wake, "weights synced"]
-    assert calls == ["weights synced",
-                     "generate", sleep, "old log-probs", "train", "offload", wake,
-                     "weights synced", *checkpoint,
-                     "engine wakes ['kv_cache']", "generate", sleep, "restore",
-                     "old log-probs", "train", "offload", wake, "weights synced", *checkpoint]
+    one_step = ["generate", sleep, "restore", "old log-probs", "train", "offload", wake,
+                "weights synced"]
+    assert calls == [sleep, "restore", "resume?", "offload", wake, "weights synced",
+                     "engine wakes ['kv_cache']", *one_step, *checkpoint,
+                     "engine wakes ['kv_cache']", *one_step, *checkpoint]
     assert trainer._train_state_offloaded and not engine.stale
