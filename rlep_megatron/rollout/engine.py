@@ -169,8 +169,10 @@ class RolloutEngine:
 
     def share(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 0) -> range:
         """The prompt indices this rank's replica samples: a contiguous range, balanced over
-        the replicas by token budget (``n x (prompt length + max_tokens)`` per prompt)."""
-        costs = [n * (len(p) + max_tokens) for p in prompts]
+        the replicas by token budget: ``prompt length + n x max_tokens`` per prompt (the
+        prompt is prefilled and cached once for its ``n`` samples; each sample may decode
+        up to ``max_tokens``)."""
+        costs = [len(p) + n * max_tokens for p in prompts]
         return split_by_budget(costs, self.dp_size)[self.dp_rank]
 
     def sampling_params(self, n: int, temperature: float, top_p: float, top_k: int,
