@@ -1,7 +1,8 @@
 """Peak memory of per-token log-probs (forward + backward) for one tensor-parallel rank:
 vocab-parallel (this project: logits of vocab/TP columns, cross-rank max/sum reductions)
 versus a naive full-vocabulary log-softmax; and, in fp32 and bf16, what the entropy costs with
-autograd (an entropy bonus in the loss) and without (entropy only reported, the default).
+autograd (an entropy bonus in the loss) and without (entropy only reported, the default);
+and the forward-only pass (old log-probs, reference log-probs), which runs in chunks of tokens.
 
     python bench/logprob_memory.py [--tokens 2048] [--vocab 152064] [--tp 1 2 4 8]
 
@@ -37,6 +38,20 @@ def run_variant(kind: str, tokens: int, vocab: int, tp: int, dtype: str = "float
     torch.manual_seed(0)
     shard = vocab // tp
     fp32_logits_mb = tokens * shard * 4 / 2**20
+    if kind == "forward":  # the old-log-prob / reference pass: no autograd
+        logits = torch.randn(tokens, shard, dtype=getattr(torch, dtype))
+        targets = torch.randint(0, shard, (tokens,))
+        before = rss_mb()
+        from rlep_megatron.actor.logprob import vocab_parallel_logprobs
+
+        with torch.no_grad():
+            vocab_parallel_logprobs(logits, targets, real_vocab_size=shard,
+                                    with_entropy=entropy != "none")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        # the logits were allocated before the baseline: add them back
+        logits_mb = logits.numel() * logits.element_size() / 2**20
+        return {"peak_mb": peak - before + logits_mb, "logits_mb": logits_mb,
+                "fp32_logits_mb": fp32_logits_mb}
     before = rss_mb()
     logits = torch.randn(tokens, shard, dtype=getattr(torch, dtype), requires_grad=True)
     targets = torch.randint(0, shard, (tokens,))
@@ -96,6 +111,17 @@ def main() -> None:
                      "grad": "in the loss (autograd)"}[entropy]
             print(f"{dtype} | {label} | {result['peak_mb']:.0f} | "
                   f"{result['peak_mb'] / result['fp32_logits_mb']:.1f}")
+    print()
+    print(f"old-log-prob / reference pass (no autograd), TP={args.tp[0]}: peak per rank, the "
+          "logits included, in units of one fp32 copy of the rank's logits")
+    print("logits dtype | entropy | peak (MB) | peak / fp32 logits")
+    print("--- | --- | --- | ---")
+    for dtype in ("float32", "bfloat16"):
+        for entropy in ("none", "nograd"):
+            result = measure("forward", args.tp[0], dtype, entropy)
+            label = {"none": "not computed", "nograd": "computed"}[entropy]
+            print(f"{dtype} | {label} | {result['peak_mb']:.0f} | "
+                  f"{result['peak_mb'] / result['fp32_logits_mb']:.2f}")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ if [ "$WITH_TE" = "1" ]; then
         if "${PIP[@]}" install -v --no-build-isolation \
                 "transformer-engine[pytorch,core_cu$TORCH_CUDA_MAJOR]==$TE_VERSION" \
                 >"$te_log" 2>&1; then
-            te_status="TransformerEngine $TE_VERSION built in $(( $(date +%s) - te_start ))s"
+            te_status="TransformerEngine $TE_VERSION installed in $(( $(date +%s) - te_start ))s (built here, or taken from pip's cache of an earlier build)"
         else
             reason="$(grep -m1 -E 'error:|Error:|ERROR' "$te_log" | cut -c1-200 || true)"
             "${PIP[@]}" uninstall -q -y transformer-engine transformer-engine-torch \

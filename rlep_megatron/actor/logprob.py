@@ -44,7 +44,14 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, real_vo
 
     Returns:
         ``(logp [...], entropy [...] or None)`` in float32.
+
+    Without autograd (the old-log-prob, reference and parity passes) the work runs in chunks
+    of tokens (:func:`_logprobs_without_grad`): at most two float32 chunks are alive besides
+    the logits, instead of several float32 copies of all of them.
     """
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return _logprobs_without_grad(logits, targets, real_vocab_size, tp_rank, tp_group,
+                                      temperature, with_entropy)
     shard = logits.shape[-1]
     start = tp_rank * shard
     scaled = logits.float() / temperature
@@ -80,3 +87,61 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, real_vo
                 del product
                 entropy = log_sum_exp - _reduce_sum(weighted, tp_group) / sum_exp
     return logp, entropy
+
+
+NO_GRAD_CHUNK_BYTES = 256 * 2 ** 20
+"""Float32 bytes of one chunk of logits in the forward-only path (two such buffers at most)."""
+
+
+def _logprobs_without_grad(logits: torch.Tensor, targets: torch.Tensor, real_vocab_size: int,
+                           tp_rank: int, tp_group, temperature: float, with_entropy: bool
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`vocab_parallel_logprobs` without autograd, chunk by chunk of tokens and in place:
+    a float32 copy of the chunk's logits (scaled, masked, shifted by the max) and its
+    exponentials (turned into ``p x shifted`` for the entropy). Per chunk one max and one sum
+    (of the partition function, the target logit and the entropy's weighted sum together) over
+    the TP group."""
+    from rlep_megatron import distributed
+
+    shard = logits.shape[-1]
+    start = tp_rank * shard
+    pad_from = real_vocab_size - start  # local columns at or after it are padding
+    multi = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
+    flat = logits.reshape(-1, shard)
+    flat_targets = targets.reshape(-1)
+    count = flat.shape[0]
+    logp = torch.empty(count, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logp) if with_entropy else None
+    step = max(1, NO_GRAD_CHUNK_BYTES // (4 * shard))
+    with torch.no_grad():
+        for lo in range(0, count, step):
+            hi = min(lo + step, count)
+            x = flat[lo:hi].to(torch.float32, copy=True)
+            if temperature != 1.0:
+                x.div_(temperature)
+            if pad_from < shard:
+                x[:, max(pad_from, 0):] = float("-inf")
+            max_logit = x.max(dim=-1, keepdim=True).values
+            if multi:
+                distributed.all_reduce(max_logit, "max", tp_group)
+            x.sub_(max_logit)
+            local_target = flat_targets[lo:hi] - start
+            owned = (local_target >= 0) & (local_target < shard)
+            picked = torch.gather(x, -1, local_target.clamp(0, shard - 1).unsqueeze(-1))[:, 0]
+            exp = torch.exp(x)
+            sums = [exp.sum(dim=-1), torch.where(owned, picked, torch.zeros_like(picked))]
+            if with_entropy:
+                weighted = exp.mul_(x)  # p x shifted (unnormalised), in place
+                if pad_from < shard:
+                    weighted[:, max(pad_from, 0):] = 0.0  # exp(-inf) x -inf = nan: 0
+                sums.append(weighted.sum(dim=-1))
+            del x, exp
+            reduced = torch.stack(sums)
+            if multi:
+                distributed.all_reduce(reduced, "sum", tp_group)
+            log_sum_exp = torch.log(reduced[0])
+            logp[lo:hi] = reduced[1] - log_sum_exp
+            if with_entropy:
+                entropy[lo:hi] = log_sum_exp - reduced[2] / reduced[0]
+    shape = targets.shape
+    return logp.view(shape), (entropy.view(shape) if with_entropy else None)

@@ -29,3 +29,30 @@ def test_logprobs_and_entropy_match_a_float64_softmax(entropy_grad):
     expected_grad = (torch.nn.functional.one_hot(targets, padded).double()
                      - torch.nn.functional.pad(reference.exp(), (0, padded - real_vocab))) / 0.7
     torch.testing.assert_close(x.grad.double(), expected_grad, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 1000])
+def test_forward_only_logprobs_in_chunks_match_a_float64_softmax(monkeypatch, chunk_tokens,
+                                                                 dtype):
+    """Without autograd the log-probs and entropy are computed chunk by chunk of tokens, in
+    place on a copy (the caller's logits are untouched): the same values as the float64
+    softmax of the same (rounded) logits, for chunks of one token, a few, or all."""
+    from rlep_megatron.actor import logprob
+
+    real_vocab, padded = 13, 16
+    monkeypatch.setattr(logprob, "NO_GRAD_CHUNK_BYTES", chunk_tokens * 4 * padded)
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 5, padded, generator=generator) * 3).to(dtype)
+    before = logits.clone()
+    targets = torch.randint(0, real_vocab, (3, 5), generator=generator)
+    with torch.no_grad():
+        logp, entropy = vocab_parallel_logprobs(logits, targets, real_vocab, temperature=0.7,
+                                                with_entropy=True)
+    assert torch.equal(logits, before)
+    reference = torch.log_softmax(logits[..., :real_vocab].double() / 0.7, dim=-1)
+    expected_logp = reference.gather(-1, targets[..., None])[..., 0]
+    expected_entropy = -(reference.exp() * reference).sum(-1)
+    assert logp.shape == entropy.shape == targets.shape and logp.dtype == torch.float32
+    torch.testing.assert_close(logp.double(), expected_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), expected_entropy, rtol=0, atol=1e-5)
