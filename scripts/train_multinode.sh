@@ -23,9 +23,17 @@ shift
 MASTER_PORT=${MASTER_PORT:-29500}
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 if [ -z "${NODE_ADDR:-}" ]; then
-    NODE_ADDR="$(ip route get "$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR==1{print $1}')" 2>/dev/null \
-                 | sed -n 's/.* src \([0-9.]*\).*/\1/p' | head -1 || true)"
+    if [ -n "${IFNAME:-}" ]; then   # the interface's own IPv4 address
+        NODE_ADDR="$(ip -4 -o addr show dev "$IFNAME" 2>/dev/null \
+                     | awk '{split($4, a, "/"); print a[1]; exit}' || true)"
+    else                            # the source address of the route to node 0
+        NODE_ADDR="$(ip route get "$(getent ahostsv4 "$MASTER_ADDR" | awk 'NR==1{print $1}')" \
+                     2>/dev/null | sed -n 's/.* src \([0-9.]*\).*/\1/p' | head -1 || true)"
+    fi
 fi
+case "${NODE_ADDR:-}" in
+    127.*) NODE_ADDR="" ;;   # a loopback address (e.g. the hostname on 127.0.1.1) is no node address
+esac
 IS_HOST=$([ "$NODE_RANK" = "0" ] && echo 1 || echo 0)
 echo "train_multinode.sh: node $NODE_RANK/$NNODES (${NODE_ADDR:-address unknown}), rendezvous" \
      "$MASTER_ADDR:$MASTER_PORT, $GPUS_PER_NODE ranks, python $PYTHON," \

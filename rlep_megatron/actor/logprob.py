@@ -107,16 +107,24 @@ def _logprobs_without_grad(logits: torch.Tensor, targets: torch.Tensor, real_voc
     start = tp_rank * shard
     pad_from = real_vocab_size - start  # local columns at or after it are padding
     multi = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
-    flat = logits.reshape(-1, shard)
+    # 2-D views of the logits' rows of tokens, without copying them: ``logits[:, :-1]`` of a
+    # padded batch cannot be flattened in place, each of its rows can
+    if logits.dim() == 3 and not logits.is_contiguous():
+        rows = [logits[i] for i in range(logits.shape[0])]
+    else:
+        rows = [logits.reshape(-1, shard)]
     flat_targets = targets.reshape(-1)
-    count = flat.shape[0]
+    count = flat_targets.numel()
     logp = torch.empty(count, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if with_entropy else None
     step = max(1, NO_GRAD_CHUNK_BYTES // (4 * shard))
+    chunks = [(row, offset, lo, min(lo + step, row.shape[0]))
+              for row, offset in zip(rows, range(0, count, max(rows[0].shape[0], 1)))
+              for lo in range(0, row.shape[0], step)]
     with torch.no_grad():
-        for lo in range(0, count, step):
-            hi = min(lo + step, count)
-            x = flat[lo:hi].to(torch.float32, copy=True)
+        for row, offset, row_lo, row_hi in chunks:
+            lo, hi = offset + row_lo, offset + row_hi
+            x = row[row_lo:row_hi].to(torch.float32, copy=True)
             if temperature != 1.0:
                 x.div_(temperature)
             if pad_from < shard:

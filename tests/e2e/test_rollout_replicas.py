@@ -35,7 +35,6 @@ def test_fewer_or_uneven_prompts_over_two_replicas(tiny_qwen2_dir, tmp_path, num
     report_file = tmp_path / "eval.json"
     run_rlep(["eval", "--config", recipe("tiny_cpu_baseline.yaml"),
               f"model.hf_dir={tiny_qwen2_dir}", f"eval.files=[{task['val']}]",
-              f"eval.checkpoint={out / 'checkpoints' / 'step_00000001'}",
               f"eval.output_file={report_file}", "eval.num_samples_per_prompt=2",
               "reward.num_workers=1", "rollout.max_response_tokens=16",
               "rollout.tensor_model_parallel_size=1", f"trainer.output_dir={tmp_path / 'eval'}"],

@@ -141,8 +141,15 @@ def test_one_bf16_train_step_follows_the_fp32_reference(spec, tiny_qwen2_dir, tm
                         "--weight-decay", "1.0", "--dtype", "bfloat16",
                         "--transformer-engine", spec_flag(spec), "--packing")
     assert step["transformer_engine"] == (spec == "te")
-    reference, _ = reference_step(tiny_qwen2_dir, step["old_logp"].cpu().float(), eps=1e-6,
-                                  weight_decay=1.0)
+    # the reference's old log-probs are its own (fp32) plus the same noise, so that its
+    # ratios are those of our bf16 step (exp(-noise) on the first micro-batch) and bf16's
+    # log-prob error does not move tokens across the clip boundary
+    from tests.distributed.actor_train_program import global_batch
+
+    input_ids = global_batch()[0]
+    noise = (step["old_logp"] - step["clean_old_logp"]).cpu().float()
+    reference_old = hf_token_logprobs(tiny_qwen2_dir, input_ids, step["lengths"]).float() + noise
+    reference, _ = reference_step(tiny_qwen2_dir, reference_old, eps=1e-6, weight_decay=1.0)
     initial = load_file(f"{tiny_qwen2_dir}/model.safetensors")
     lr = 1e-3
     for name, tensor in step["weights"].items():

@@ -43,7 +43,9 @@ def test_forward_only_logprobs_in_chunks_match_a_float64_softmax(monkeypatch, ch
     real_vocab, padded = 13, 16
     monkeypatch.setattr(logprob, "NO_GRAD_CHUNK_BYTES", chunk_tokens * 4 * padded)
     generator = torch.Generator().manual_seed(1)
-    logits = (torch.randn(3, 5, padded, generator=generator) * 3).to(dtype)
+    # as the actor passes them: ``logits[:, :-1]`` of a padded batch (not flattenable in place)
+    logits = (torch.randn(3, 6, padded, generator=generator) * 3).to(dtype)[:, :-1]
+    assert not logits.is_contiguous()
     before = logits.clone()
     targets = torch.randint(0, real_vocab, (3, 5), generator=generator)
     with torch.no_grad():

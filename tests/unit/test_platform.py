@@ -212,7 +212,13 @@ def test_device_choice_refuses_gpus_torch_cannot_use(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose: the CPU, quietly
     assert platform.choose_device("auto") == "cpu"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert platform.choose_device("cpu") == "cpu"
+    assert platform.choose_device("cpu") == "cpu"  # vLLM's CPU build is installed here
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "NoDevFiles")  # SLURM without GPUs
+    assert platform.choose_device("auto") == "cpu"
+    # vLLM's CUDA build ignores CUDA_VISIBLE_DEVICES (NVML): cpu on a GPU node is refused
+    monkeypatch.setattr(platform, "_vllm_is_cpu_build", lambda: False)
+    with pytest.raises(platform.DeviceError, match="vLLM's CPU build"):
+        platform.choose_device("cpu")
     with pytest.raises(ValueError, match="auto, cuda, cpu"):
         platform.choose_device("gpu")
