@@ -38,6 +38,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    from rlep_megatron.checks import check_run_config
+
     if args.keys:
         print("\n".join(config_lib.valid_keys()))
         return 0
@@ -45,6 +47,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(config_lib.config_reference())
         return 0
     cfg = config_lib.load_config(args.config, args.overrides)
+    if not args.no_files:
+        check_run_config(cfg, "config")
     print(yaml.safe_dump(config_lib.config_to_dict(cfg), sort_keys=False), end="")
     return 0
 
@@ -53,8 +57,10 @@ def _load_for_job(args: argparse.Namespace):
     """The run's config, and the device chosen before anything is built (no silent CPU
     fall-back on a GPU node: :func:`rlep_megatron.platform.choose_device`)."""
     from rlep_megatron import platform
+    from rlep_megatron.checks import check_run_config
 
     cfg = config_lib.load_config(args.config, args.overrides)
+    check_run_config(cfg, args.command)
     device = platform.choose_device(cfg.trainer.device)
     logger.info("device: %s (trainer.device=%s)", device, cfg.trainer.device)
     return cfg
@@ -93,14 +99,30 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+EXAMPLES = """examples:
+  rlep demo                                               # the whole pipeline, tiny, on CPU
+  rlep config --config examples/rlep.yaml                 # check a recipe, print it resolved
+  rlep config --keys                                      # every section.key
+  rlep train --config examples/tiny_cpu_baseline.yaml trainer.total_steps=10
+  rlep collect --config examples/tiny_cpu_rlep.yaml collect.checkpoint=RUN/checkpoints/step_00000040
+  rlep eval --config examples/tiny_cpu_rlep.yaml eval.checkpoint=RUN/checkpoints/step_00000040
+  torchrun --nproc-per-node 8 -m rlep_megatron.cli train --config examples/rlep.yaml
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="rlep", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Megatron-core RL with verifiable rewards and experience replay (RLEP).",
+        epilog=EXAMPLES)
     sub = parser.add_subparsers(dest="command", required=True)
     p_config = sub.add_parser("config", help="validate a recipe and print the resolved config")
     _add_common(p_config)
     p_config.add_argument("--keys", action="store_true", help="list every valid section.key")
     p_config.add_argument("--reference", action="store_true",
                           help="print every key with its type, default and documentation")
+    p_config.add_argument("--no-files", action="store_true",
+                          help="check the recipe alone, not the model and files it names")
     p_config.set_defaults(func=_cmd_config)
     p_train = sub.add_parser("train", help="run RL training (baseline or RLEP)")
     _add_common(p_train)
@@ -135,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, DeviceError) as err:
-        logger.error("%s", err)
-        print(f"rlep {args.command}: error: {err}", file=sys.stderr)
+        # once per process (an error on one rank only must still be seen)
+        where = f" (rank {get_rank()})" if in_multi_rank_job() else ""
+        print(f"rlep {args.command}{where}: error: {err}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         logger.error("rlep %s interrupted on rank %d", args.command, get_rank())

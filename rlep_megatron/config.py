@@ -147,6 +147,12 @@ class RolloutConfig:
         if self.max_response_tokens < 1:
             raise ValueError(
                 f"rollout.max_response_tokens must be >= 1, got {self.max_response_tokens}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("rollout.gpu_memory_utilization is a fraction of the GPU's memory "
+                             f"in (0, 1], got {self.gpu_memory_utilization}")
+        if self.weight_sync_bucket_bytes < 1:
+            raise ValueError("rollout.weight_sync_bucket_bytes must be >= 1 (bytes per bucket "
+                             f"of the weight stream), got {self.weight_sync_bucket_bytes}")
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.device must be auto, cuda or cpu, got {self.device!r}")
         if self.total_steps < 0:
             raise ValueError(f"trainer.total_steps must be >= 0, got {self.total_steps}")
+        if self.validation_interval_steps < 0:
+            raise ValueError("trainer.validation_interval_steps must be >= 0 (0 disables "
+                             f"validation), got {self.validation_interval_steps}")
         if self.mini_batch_size < 1:
             raise ValueError(f"trainer.mini_batch_size must be >= 1, got {self.mini_batch_size}")
         if self.micro_batch_max_tokens < 1:
@@ -375,6 +384,11 @@ class CheckpointConfig:
     """``auto``: newest complete checkpoint in output_dir if any; ``never``; or a directory."""
     keep_last: int = 3
     """Number of newest checkpoints kept; older ones are deleted after a successful save."""
+    resume_with_changes: bool = False
+    """Resume a checkpoint whose run had other settings (each checkpoint records its
+    config.yaml). Off: such a resume stops before any work and lists the differing keys;
+    run length, logging, validation, output and other commands' keys may always change
+    (:data:`RESUMABLE_CHANGES`)."""
 
     def __post_init__(self):
         if self.save_interval_steps < 0:
@@ -458,6 +472,34 @@ class RunConfig:
 
 CONFIG_FILE_NAME = "config.yaml"
 
+# keys a resumed run may change without checkpoint.resume_with_changes: how long it runs, what
+# and where it logs and writes, how often it validates and saves, where it runs, how many
+# scorer workers it uses; and the settings of `rlep eval` / `rlep collect` (whole sections)
+RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.validation_interval_steps",
+                     "trainer.log_all_ranks", "trainer.loggers", "trainer.wandb_project",
+                     "trainer.wandb_run_name", "trainer.output_dir", "trainer.device",
+                     "reward.num_workers", "reward.backend", "checkpoint.", "eval.", "collect.")
+
+
+def config_changes(saved: dict, current: "RunConfig") -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, current value)`` for every key of ``current`` whose value differs
+    from the saved config (a key the saved config lacks counts as its default), except
+    :data:`RESUMABLE_CHANGES`."""
+    now = config_to_dict(current)
+    defaults = config_to_dict(RunConfig())
+    changes = []
+    for section, values in now.items():
+        before_section = saved.get(section) or {}
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if any(name == k or (k.endswith(".") and name.startswith(k))
+                   for k in RESUMABLE_CHANGES):
+                continue
+            before = before_section.get(key, defaults[section][key])
+            if before != value:
+                changes.append((name, before, value))
+    return changes
+
 
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(RunConfig)
@@ -536,6 +578,9 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return value
     if origin is list:
         if isinstance(value, str):
+            if "," in value and not os.path.exists(value):
+                raise ValueError(f"{key}: {value!r} looks like a comma-separated list; write "
+                                 f"a YAML list: {key}=[{value}]")
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
@@ -565,15 +610,66 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise AssertionError(f"unsupported annotation {annotation} for {key}")
 
 
+# field names of verl's recipes (the reference implementation's trainer) whose key here has
+# another name; fields with the same name are found by name
+_PEER_NAMES = {
+    "n": "rollout.num_samples_per_prompt",
+    "ppo_mini_batch_size": "trainer.mini_batch_size",
+    "ppo_max_token_len_per_gpu": "trainer.micro_batch_max_tokens",
+    "total_training_steps": "trainer.total_steps",
+    "total_epochs": "trainer.total_steps",
+    "save_freq": "checkpoint.save_interval_steps",
+    "test_freq": "trainer.validation_interval_steps",
+    "default_local_dir": "trainer.output_dir",
+    "max_prompt_length": "data.max_prompt_tokens",
+    "max_response_length": "rollout.max_response_tokens",
+    "response_length": "rollout.max_response_tokens",
+    "kl_loss_coef": "algo.kl_coef",
+    "kl_loss_type": "algo.kl_estimator",
+    "entropy_coeff": "algo.entropy_coef",
+    "train_files": "data.train_files",
+    "val_files": "data.val_files",
+}
+
+
+def suggest_keys(name: str, limit: int = 3) -> list[str]:
+    """The valid ``section.key`` names closest to ``name``: a key of another section with the
+    same field name (``trainer.lr`` -> ``optim.lr``), the field name of a section-less or
+    verl-style dotted key (``actor_rollout_ref.actor.optim.lr`` -> ``optim.lr``), else the
+    nearest spellings."""
+    import difflib
+
+    keys = valid_keys()
+    parts = name.split(".")
+    field_name = parts[-1]
+    if field_name in _PEER_NAMES:
+        return [_PEER_NAMES[field_name]]
+    same_field = [k for k in keys if k.split(".", 1)[1] == field_name]
+    if same_field:
+        return same_field[:limit]
+    if len(parts) >= 2:
+        tail = ".".join(parts[-2:])
+        close = difflib.get_close_matches(tail, keys, n=limit, cutoff=0.6)
+        if close:
+            return close
+    fields = {k.split(".", 1)[1]: k for k in keys}
+    return [fields[f] for f in difflib.get_close_matches(field_name, list(fields), n=limit,
+                                                          cutoff=0.6)]
+
+
+def _unknown_key_message(name: str) -> str:
+    close = suggest_keys(name)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return (f"unknown config key '{name}': {hint}(`rlep config --keys` lists every key, "
+            "`rlep config --reference` documents them)")
+
+
 def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
-            raise ValueError(
-                f"unknown config key '{section}.{key}'. Valid keys of section '{section}': "
-                + ", ".join(f"{section}.{n}" for n in names))
+            raise ValueError(_unknown_key_message(f"{section}.{key}"))
         kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
     return cls(**kwargs)
 
@@ -588,7 +684,11 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
     built = {}
     for section, values in raw.items():
         if section not in sections:
-            raise ValueError(f"unknown config section '{section}'. Valid sections: "
+            import difflib
+
+            close = difflib.get_close_matches(str(section), list(sections), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ValueError(f"unknown config section '{section}': {hint}valid sections: "
                              + ", ".join(sections))
         if values is None:
             values = {}
@@ -608,8 +708,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ValueError(f"override '{text}' must look like section.key=value")
     dotted, raw_value = text.split("=", 1)
     if dotted.count(".") != 1:
-        raise ValueError(f"override key '{dotted}' must look like section.key; valid keys: "
-                         + ", ".join(valid_keys()))
+        close = suggest_keys(dotted)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ValueError(f"override key '{dotted}' must look like section.key: {hint}"
+                         "(`rlep config --keys` lists every key)")
     section, key = dotted.split(".")
     try:
         value = yaml.safe_load(raw_value) if raw_value != "" else ""
@@ -634,8 +736,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     for text in overrides or []:
         section, key, value = parse_override(text)
         if section not in _section_types():
-            raise ValueError(f"unknown config section '{section}' in override '{text}'. "
-                             "Valid sections: " + ", ".join(_section_types()))
+            raise ValueError(_unknown_key_message(f"{section}.{key}"))
         raw.setdefault(section, {})
         if raw[section] is None:
             raw[section] = {}

@@ -140,13 +140,9 @@ class Trainer:
         from rlep_megatron.metrics import check_loggers
 
         check_loggers(cfg.trainer.loggers)
-        if not cfg.model.hf_dir:
-            raise ValueError("model.hf_dir is required: the HF checkpoint directory the run "
-                             "starts from (config.json, tokenizer, weights)")
-        if not os.path.isfile(os.path.join(cfg.model.hf_dir, "config.json")):
-            raise FileNotFoundError(f"model.hf_dir={cfg.model.hf_dir!r} has no config.json")
-        if not cfg.data.train_files:
-            raise ValueError("data.train_files is empty: give at least one training parquet")
+        from rlep_megatron.checks import check_run_config
+
+        check_run_config(cfg, "train")  # files, layout against the model, resume target
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         if cfg.model.mcore_dir:
             if not os.path.isdir(cfg.model.mcore_dir):

@@ -8,6 +8,8 @@ Layout under ``<trainer.output_dir>/checkpoints/``::
                            each rank's shard (megatron's dp_reshardable): any DP, same TP/PP)
         trainer_state.pt   step, prompt sampler, replay sampler, optimizer counters, RNG states
                            (host streams; every rank's CUDA and megatron model-parallel streams)
+        config.yaml        the run's settings; a resume with other ones is refused (see
+                           checkpoint.resume_with_changes)
         meta.json          written last: step, model fingerprint, parallel layout and layer
                            spec (TransformerEngine or local),
                            "complete": true
@@ -30,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import yaml
 
 from rlep_megatron import distributed
 
@@ -120,6 +123,33 @@ class CheckpointManager:
             meta = check_checkpoint_model(path, self.hf_config)
             self._check_layout(path, meta)
             self._check_layer_spec(path, meta)
+            self._check_config_changes(path)
+
+    def _check_config_changes(self, path: str) -> None:
+        """A resume continues the saved run: other settings (lr, batch, pool, seed...) would
+        silently make it another one. Refused, listing the keys, unless
+        ``checkpoint.resume_with_changes``; nothing in the output directory is touched."""
+        from rlep_megatron.config import CONFIG_FILE_NAME, config_changes
+
+        if self.cfg.checkpoint.resume_with_changes:
+            return
+        saved_path = os.path.join(path, CONFIG_FILE_NAME)
+        if not os.path.isfile(saved_path):  # saved by an older version: the run's own copy
+            saved_path = os.path.join(os.path.dirname(os.path.dirname(path)), CONFIG_FILE_NAME)
+        if not os.path.isfile(saved_path):
+            logger.warning("checkpoint %s records no configuration: its settings cannot be "
+                           "compared with this run's", path)
+            return
+        with open(saved_path) as f:
+            saved = yaml.safe_load(f) or {}
+        changes = config_changes(saved, self.cfg)
+        if changes:
+            listed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
+            raise ValueError(
+                f"checkpoint {path} belongs to a run with other settings ({listed}); resuming "
+                "it would continue that run with different ones. Start a separate run in a "
+                "new trainer.output_dir, or set checkpoint.resume_with_changes=true to resume "
+                "with the new values")
 
     def _check_layer_spec(self, path: str, meta: dict) -> None:
         """The optimizer's flat buffers follow the parameter order, which TransformerEngine's
@@ -246,6 +276,9 @@ class CheckpointManager:
         if rank0:
             torch.save({**self._trainer_state(trainer), "device_rng": device_rng},
                        os.path.join(partial, "trainer_state.pt"))
+            from rlep_megatron.config import dump_config
+
+            dump_config(self.cfg, partial)  # the settings this checkpoint was trained with
             meta = {"step": trainer.step, "model": self.fingerprint, "layout": self._layout(),
                     "layer_spec": layer_spec_name(trainer.info.use_te),
                     "complete": True}

@@ -121,3 +121,26 @@ def test_resume_with_another_layer_spec(tiny_qwen2_dir, task, tmp_path):
                   *train_overrides(tiny_qwen2_dir, task, str(out), 3)],
                  "saved with the transformer_engine layer spec", "builds the local spec",
                  "model.mcore_dir=<the checkpoint>")
+
+
+def test_resume_with_other_settings_is_refused_and_nothing_is_overwritten(tiny_qwen2_dir, task,
+                                                                          tmp_path):
+    """The checkpoint records its run's config.yaml: a relaunch in the same output directory
+    with another learning rate stops before any work, naming the key, and touches nothing;
+    run-length keys may change (a real resume with more steps: test_train's resume test)."""
+    from rlep_megatron.config import dump_config, load_config
+
+    out = tmp_path / "run"
+    overrides = train_overrides(tiny_qwen2_dir, task, str(out), 1)
+    fake_checkpoint(out, tiny_qwen2_dir, 1)
+    checkpoint = out / "checkpoints" / "step_00000001"
+    dump_config(load_config(recipe("tiny_cpu_baseline.yaml"), overrides), str(checkpoint))
+    (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (out / "config.yaml").write_text("the run's own copy\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    output = expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"), *overrides,
+                           "optim.lr=5e-4", "trainer.total_steps=3"],
+                          "belongs to a run with other settings", "optim.lr: 0.001 -> 0.0005",
+                          "checkpoint.resume_with_changes=true", "new trainer.output_dir")
+    assert "total_steps" not in output.split("belongs to")[1].split(";")[0]
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

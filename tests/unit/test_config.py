@@ -133,7 +133,8 @@ def test_config_is_frozen():
 def test_cli_config_prints_resolved_recipe(tmp_path, capsys):
     from rlep_megatron.cli import main
 
-    assert main(["config", "--config", write(tmp_path, RECIPE), "trainer.seed=9"]) == 0
+    assert main(["config", "--no-files", "--config", write(tmp_path, RECIPE),
+                 "trainer.seed=9"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["seed"] == 9 and printed["replay"]["num_replays_per_prompt"] == 2
     assert main(["config", "trainer.sed=9"]) == 2
@@ -154,3 +155,61 @@ def test_every_key_is_documented_and_the_committed_reference_is_current():
         assert f.read() == reference + "\n", (
             "docs/CONFIG.md is stale: regenerate it with `rlep config --reference > "
             "docs/CONFIG.md`")
+
+
+@pytest.fixture
+def runnable(tmp_path, tiny_qwen2_dir):
+    """Overrides of a recipe whose model and files exist (4 attention heads, 2 KV heads)."""
+    from rlep_megatron.tiny_task import make_tiny_task
+
+    task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
+    return [f"model.hf_dir={tiny_qwen2_dir}", f"data.train_files=[{task['train']}]",
+            f"data.val_files=[{task['val']}]"]
+
+
+MISTAKES = [  # (override, what the one line must say)
+    ("parallel.tensor_model_parallel_size=3", "does not divide the number of attention heads (4)"),
+    ("parallel.tensor_model_parallel_size=4", "does not divide the number of query groups"),
+    ("parallel.pipeline_model_parallel_size=3", "num_layers=4 is not divisible"),
+    ("rollout.tensor_model_parallel_size=3", "does not divide the model's 4 attention heads"),
+    ("model.hf_dir=", "model.hf_dir is required"),
+    ("model.hf_dir=/nonexistent/model", "has no config.json (is not a directory)"),
+    ("rollout.gpu_memory_utilization=1.5", "gpu_memory_utilization is a fraction"),
+    ("rollout.weight_sync_bucket_bytes=-1", "weight_sync_bucket_bytes must be >= 1"),
+    ("trainer.validation_interval_steps=-3", "validation_interval_steps must be >= 0"),
+    ("checkpoint.resume=latest", "checkpoint.resume='latest' is neither auto, never nor"),
+    ("data.train_files=a,b", "looks like a comma-separated list; write a YAML list: "
+                             "data.train_files=[a,b]"),
+    ("data.train_files=[]", "data.train_files is empty"),
+    ("data.val_files=[missing.parquet]", "data.val_files: 'missing.parquet' does not exist"),
+    ("trainer.lr=1e-6", "unknown config key 'trainer.lr': did you mean optim.lr?"),
+    ("actor.optim.lr=1e-6", "did you mean optim.lr?"),
+    ("lr=1e-6", "did you mean optim.lr?"),
+    ("rollout.n=8", "did you mean rollout.num_samples_per_prompt?"),
+    ("trainer.totl_steps=3", "did you mean trainer.total_steps"),
+]
+
+
+@pytest.mark.parametrize("override,message", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_rlep_config_catches_each_mistake_in_one_line(runnable, override, message, capsys):
+    from rlep_megatron.cli import main
+
+    assert main(["config", *runnable]) == 0  # the same recipe without the mistake is fine
+    capsys.readouterr()
+    assert main(["config", *runnable, override]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err  # printed once, on one line
+    assert message in lines[0], err
+    assert "config.valid_keys" not in err and err.count("trainer.") < 8  # no key dump
+
+
+def test_rlep_config_lists_every_problem_once(runnable, capsys):
+    from rlep_megatron.cli import main
+
+    assert main(["config", *runnable, "parallel.tensor_model_parallel_size=3",
+                 "checkpoint.resume=latest", "data.val_files=[missing.parquet]"]) == 2
+    err = capsys.readouterr().err
+    assert "3 problems in the configuration" in err
+    for needle in ("attention heads", "checkpoint.resume='latest'", "missing.parquet"):
+        assert err.count(needle) == 1, err

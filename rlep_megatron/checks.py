@@ -1,0 +1,115 @@
+"""What a run configuration says, checked against the files it names and the model's HF config,
+before any model, process group or engine exists: ``rlep config`` runs these checks, and so does
+every job (``train``, ``collect``, ``eval``) before its first expensive step.
+
+Field-level checks (types, ranges, enumerations) live in the config dataclasses; here are the
+ones that need the filesystem or several fields at once: the model directory and its
+``config.json``, tensor/pipeline parallelism against heads, key/value heads and layers (and
+against the world size under torchrun), the rollout's tensor parallelism, the files each job
+reads, and ``checkpoint.resume``. Every problem found is reported, one line each.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+from rlep_megatron.config import RunConfig
+
+COMMANDS = ("config", "train", "collect", "eval")
+
+
+def _hf_config(cfg: RunConfig, problems: list[str]) -> Optional[dict]:
+    hf_dir = cfg.model.hf_dir
+    if not hf_dir:
+        problems.append("model.hf_dir is required: the HF checkpoint directory the run starts "
+                        "from (config.json, tokenizer, weights)")
+        return None
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        where = "is not a directory" if not os.path.isdir(hf_dir) else "is not an HF checkpoint"
+        problems.append(f"model.hf_dir={hf_dir!r} has no config.json ({where})")
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        problems.append(f"model.hf_dir={hf_dir!r}: config.json is unreadable: {err}")
+        return None
+
+
+def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
+    from rlep_megatron.distributed import validate_parallel_layout
+
+    parallel = cfg.parallel
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads", heads)
+    model_parallel = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+                      * parallel.context_parallel_size)
+    world = int(os.environ.get("WORLD_SIZE", model_parallel))
+    try:
+        validate_parallel_layout(world, parallel, heads, kv_heads, hf.get("num_hidden_layers"))
+    except ValueError as err:
+        problems.append(f"parallel: {err}")
+    rollout_tp = cfg.rollout.tensor_model_parallel_size
+    if heads and heads % rollout_tp:
+        problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
+                        f"model's {heads} attention heads")
+    if "WORLD_SIZE" in os.environ and world % rollout_tp:  # under torchrun
+        problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
+                        f"world size {world}")
+
+
+def _check_files(key: str, paths: list[str], problems: list[str],
+                 required: bool = False) -> None:
+    if required and not paths:
+        problems.append(f"{key} is empty: give at least one parquet file")
+    for path in paths:
+        if not os.path.isfile(path):
+            problems.append(f"{key}: {path!r} does not exist")
+
+
+def _check_resume(cfg: RunConfig, problems: list[str]) -> None:
+    mode = cfg.checkpoint.resume
+    if mode in ("auto", "never"):
+        return
+    if not os.path.isfile(os.path.join(mode, "meta.json")):
+        problems.append(f"checkpoint.resume={mode!r} is neither auto, never nor a complete "
+                        "checkpoint directory (<output_dir>/checkpoints/step_XXXXXXXX)")
+
+
+def _check_checkpoint(key: str, path: str, problems: list[str]) -> None:
+    if path and not os.path.isdir(path):
+        problems.append(f"{key}={path!r} does not exist")
+
+
+def check_run_config(cfg: RunConfig, command: str = "config") -> None:
+    """Raise ValueError listing every problem of ``cfg`` for ``command`` (``config`` checks what
+    training needs)."""
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}; one of {COMMANDS}")
+    problems: list[str] = []
+    hf = _hf_config(cfg, problems)
+    if hf is not None:
+        _check_layout(cfg, hf, problems)
+    if command in ("config", "train"):
+        _check_files("data.train_files", cfg.data.train_files, problems, required=True)
+        _check_files("data.val_files", cfg.data.val_files, problems)
+        _check_files("replay.pool_files", cfg.replay.pool_files, problems)
+        _check_resume(cfg, problems)
+    elif command == "collect":
+        _check_files("data.train_files", cfg.data.train_files, problems, required=True)
+        if not cfg.collect.checkpoint:
+            problems.append("collect.checkpoint is required: the checkpoint to sample the pool "
+                            "from (a training checkpoint or an HF directory)")
+        _check_checkpoint("collect.checkpoint", cfg.collect.checkpoint, problems)
+    elif command == "eval":
+        # eval.files, or the validation files when it is empty
+        _check_files("eval.files", cfg.eval.files or cfg.data.val_files, problems,
+                     required=True)
+        _check_checkpoint("eval.checkpoint", cfg.eval.checkpoint, problems)
+    if problems:
+        if len(problems) == 1:
+            raise ValueError(problems[0])
+        raise ValueError(f"{len(problems)} problems in the configuration:\n  - "
+                         + "\n  - ".join(problems))
