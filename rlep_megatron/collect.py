@@ -61,6 +61,9 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
 
     c = cfg.collect
     rows = read_prompt_files(cfg.data.train_files, deduplicate=True)
+    from rlep_megatron.reward import check_rewards
+
+    check_rewards({"data.train_files": rows}, cfg.reward.function)
     checkpoint = c.checkpoint or cfg.model.hf_dir
     checkpoint_kind(checkpoint)
     out = c.output_file or os.path.join(cfg.trainer.output_dir, "pool.parquet")

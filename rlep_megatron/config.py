@@ -189,6 +189,13 @@ class RewardConfig:
     """Overlong shaping buffer (RLEP_SPEC.md section 5); 0 disables shaping."""
     overlong_penalty_factor: float = 1.0
     """Maximum overlong penalty, reached at ``rollout.max_response_tokens``."""
+    function: str = ""
+    """Your own reward for every row instead of the rules chosen by ``data_source``:
+    ``package.module:function`` or ``path/to/file.py:function``, called like
+    ``compute_score(data_source, solution_str, ground_truth)`` and returning a dict with
+    ``score`` (optionally ``acc``, ``pred``) or a number (``acc`` = score > 0). It runs once on
+    a sample before any model work; at scoring time an exception scores -1. Empty: the
+    built-in rules (``rlep_megatron.reward.known_data_sources()``)."""
 
     def __post_init__(self):
         if self.num_workers < 1:

@@ -140,6 +140,9 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
     if not files:
         raise ValueError("no eval files: set eval.files (or data.val_files)")
     rows = read_prompt_files(files, deduplicate=True)  # checks the schema before any model work
+    from rlep_megatron.reward import check_rewards
+
+    check_rewards({"the eval files": rows}, cfg.reward.function)
     checkpoint = cfg.eval.checkpoint or cfg.model.hf_dir
     checkpoint_kind(checkpoint)
     out = cfg.eval.output_file or os.path.join(cfg.trainer.output_dir, "eval.json")

@@ -170,6 +170,11 @@ class Trainer:
         self.train_rows = read_prompt_files(cfg.data.train_files)
         self.val_rows = (read_prompt_files(cfg.data.val_files, deduplicate=True)
                          if cfg.data.val_files else None)
+        from rlep_megatron.reward import check_rewards
+
+        check_rewards({"data.train_files": self.train_rows,
+                       **({"data.val_files": self.val_rows} if self.val_rows else {})},
+                      cfg.reward.function)
         self.pool = None
         if cfg.replay.num_replays_per_prompt > 0:
             if cfg.replay.pool_files:

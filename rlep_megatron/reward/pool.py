@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_connections
 from typing import Optional, Sequence
 
-from rlep_megatron.reward.rules import compute_score, load_registry, registry_snapshot, rule_for
+from rlep_megatron.reward.rules import (compute_score, load_registry, registry_snapshot,
+                                        scorable)
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,7 @@ class ScorerPool:
         self._startup_failures = 0
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
-        for request in {r.data_source for r in requests}:
-            rule_for(request)  # unknown data_source: fail here, with the list of known ones
+        scorable({r.data_source for r in requests})  # fails here, listing the known sources
         results: list[Optional[dict]] = [None] * len(requests)
         chunk = max(1, min(self.max_chunk, -(-len(requests) // (4 * len(self._workers)))))
         pending = [list(enumerate(requests))[i:i + chunk] for i in range(0, len(requests), chunk)]
@@ -208,7 +208,8 @@ class ScorerPool:
         return False
 
 
-def _ray_score_one(request: ScoreRequest) -> dict:
+def _ray_score_one(request: ScoreRequest, registry) -> dict:
+    load_registry(registry)  # rules and reward.function of the driver
     result = compute_score(request.data_source, request.solution_str, request.ground_truth)
     result["timed_out"] = False
     return result
@@ -232,8 +233,8 @@ class RayScorerPool:
         self.num_timeouts = 0
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
-        for source in {r.data_source for r in requests}:
-            rule_for(source)
+        scorable({r.data_source for r in requests})
+        registry = registry_snapshot()
         ray = self._ray
         results: list[Optional[dict]] = [None] * len(requests)
         queue = list(range(len(requests)))
@@ -242,7 +243,7 @@ class RayScorerPool:
         while queue or running:
             while queue and len(running) < 4 * self.num_workers:
                 index = queue.pop()
-                running[self._remote.remote(requests[index])] = (index, None)
+                running[self._remote.remote(requests[index], registry)] = (index, None)
             ready, _ = ray.wait(list(running), num_returns=1, timeout=0.05)
             for ref in ready:
                 index, _ = running.pop(ref)

@@ -144,3 +144,28 @@ def test_resume_with_other_settings_is_refused_and_nothing_is_overwritten(tiny_q
                           "checkpoint.resume_with_changes=true", "new trainer.output_dir")
     assert "total_steps" not in output.split("belongs to")[1].split(";")[0]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_reward_function_that_fails_on_a_sample_stops_before_any_model(tiny_qwen2_dir, task,
+                                                                          tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth):\n"
+                      "    return solution_str['score']\n")
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), 1),
+                  f"reward.function={reward}:score"],
+                 f"reward.function='{reward}:score' failed on a sample of data.train_files",
+                 "TypeError")
+
+
+def test_a_data_source_no_rule_knows_stops_before_any_model(tiny_qwen2_dir, task, tmp_path):
+    rows = read_prompt_file(task["val"])
+    table = pq.read_table(task["val"])
+    unknown = tmp_path / "val.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("data_source"), "data_source",
+                                    pa.array(["my_quiz"] * len(rows.data_source))), unknown)
+    expect_error(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), 1),
+                  f"data.val_files=[{unknown}]"],
+                 "data.val_files: no reward rule for data_source 'my_quiz'", "Known sources",
+                 "reward.function=module:callable")

@@ -166,3 +166,93 @@ def test_pool_rejects_unknown_source_before_work():
     with ScorerPool(num_workers=1, timeout_s=5) as pool:
         with pytest.raises(ValueError, match="no reward rule"):
             pool.score([ScoreRequest("nope", "Answer: 1", "1")])
+
+
+@pytest.mark.parametrize("solution, truth, correct", [
+    ("She has 9 eggs, 9 * 2 = 18 dollars.\n#### 18", "18", True),
+    ("#### 1,234", "1234", True),
+    ("#### $1,234.", "1234", True),
+    ("#### 18.0", "18", True),
+    ("#### 17\n#### 18", "18", True),             # the last #### counts
+    ("#### 17", "18", False),
+    ("Answer: 18", "18", False),                   # verl's GSM8K asks for ####
+    ("#### 18", "Natalia sold 48/2 = 24 clips.\n#### 18", True),  # a worked ground truth
+])
+def test_verl_gsm8k_source_uses_the_hash_rule(solution, truth, correct):
+    result = compute_score("openai/gsm8k", solution, truth)
+    assert result["acc"] is correct and result["score"] == (1.0 if correct else -1.0)
+    # the project's own prepared gsm8k keeps the DAPO Answer: format
+    assert compute_score("gsm8k", "Answer: 18", "18")["acc"]
+
+
+REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth):
+    return 0.25 if data_source == "mine" else {"score": -0.5, "pred": "x"}
+
+def broken(data_source, solution_str, ground_truth):
+    raise KeyError("no such field")
+'''
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    yield str(path)
+    from rlep_megatron.reward import use_reward_function
+
+    use_reward_function("")  # back to the rules for the other tests
+
+
+def prompt_rows(sources, truths):
+    import types
+
+    return types.SimpleNamespace(data_source=list(sources), ground_truth=list(truths))
+
+
+def test_reward_function_from_a_file_scores_every_row_in_workers(reward_file):
+    """``reward.function=path.py:fn``: numbers and dicts become results; the scorer's spawned
+    workers load the function from the same spec; an unknown data_source is fine then."""
+    from rlep_megatron.reward import check_rewards
+
+    check_rewards({"train": prompt_rows(["mine", "unheard_of"], ["1", "2"])},
+                  f"{reward_file}:compute_score")
+    assert compute_score("mine", "text", "1") == {"score": 0.25, "acc": True, "pred": ""}
+    assert compute_score("other", "t", "1") == {"score": -0.5, "acc": False, "pred": "x"}
+    with ScorerPool(num_workers=1, timeout_s=30) as pool:
+        results = pool.score([ScoreRequest("mine", "a", "1"), ScoreRequest("zzz", "b", "1")])
+    assert [r["score"] for r in results] == [0.25, -0.5]
+
+
+def test_reward_function_by_module_path(monkeypatch, reward_file):
+    from rlep_megatron.reward import check_rewards
+
+    monkeypatch.syspath_prepend(os.path.dirname(reward_file))
+    check_rewards({"train": prompt_rows(["mine"], ["1"])}, "my_reward:compute_score")
+    assert compute_score("mine", "x", "1")["score"] == 0.25
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{file}:broken", "failed on a sample of train (data_source='mine', solution 'Answer: 1'): "
+                      "KeyError: 'no such field'"),
+    ("{file}:missing", "has no callable 'missing'"),
+    ("no_such_module_anywhere:fn", "importing 'no_such_module_anywhere' failed"),
+    ("just_a_name", "must look like package.module:function"),
+    ("/nowhere/reward.py:fn", "'/nowhere/reward.py' does not exist"),
+])
+def test_a_bad_reward_function_stops_before_any_work(reward_file, spec, message):
+    from rlep_megatron.reward import check_rewards
+
+    with pytest.raises(ValueError) as err:
+        check_rewards({"train": prompt_rows(["mine"], ["1"])}, spec.format(file=reward_file))
+    assert message in str(err.value)
+
+
+def test_an_unknown_data_source_stops_before_any_work():
+    from rlep_megatron.reward import check_rewards
+
+    with pytest.raises(ValueError) as err:
+        check_rewards({"data.val_files": prompt_rows(["math_dapo", "my_quiz"], ["1", "2"])})
+    message = str(err.value)
+    assert message.startswith("data.val_files: no reward rule for data_source 'my_quiz'")
+    assert "openai/gsm8k" in message and "reward.function=module:callable" in message
