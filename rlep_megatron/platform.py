@@ -270,13 +270,19 @@ def report_layer_spec(use_te: bool) -> None:
 
 def quiet_megatron_accelerator_warnings() -> None:
     """megatron-core warns at import, once per module and process, that TransformerEngine and
-    apex are missing (a dozen lines per run); :func:`report_layer_spec` says it once instead."""
+    apex are missing (a dozen lines per run); :func:`report_layer_spec` says it once instead.
+    Its gradient buffer lists every parameter of every bucket at INFO: kept to warnings unless
+    ``RLEP_SHOW_ALL_WARNINGS=1``."""
     import warnings
 
     for pattern in (r"Transformer Engine and Apex are not installed",
                     r"Apex is not installed"):
         warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
     logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
+    if os.environ.get("RLEP_SHOW_ALL_WARNINGS") != "1":
+        # the gradient buffer's per-bucket parameter listing (dozens of lines per model build)
+        logging.getLogger("megatron.core.distributed.param_and_grad_buffer").setLevel(
+            logging.WARNING)
 
 
 quiet_megatron_accelerator_warnings()

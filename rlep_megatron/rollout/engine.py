@@ -95,6 +95,34 @@ def split_by_budget(costs: list[int], parts: int) -> list[range]:
     return [range(bounds[r], bounds[r + 1]) for r in range(parts)]
 
 
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM's in-place reload warns "<Layer>: Failed to load weights" for every layer that got
+    no tensor. Two such layers are expected at every weight sync: the rotary embedding (a
+    cos/sin cache, in no checkpoint) and, with tied embeddings, the LM head (it shares the
+    embedding's weight, which is synced). Only those are dropped; any other layer is still
+    reported. ``RLEP_SHOW_ALL_WARNINGS=1`` keeps every warning."""
+
+    MESSAGE = "%s: Failed to load weights"
+
+    def __init__(self, layers: set[str]):
+        super().__init__()
+        self.layers = layers
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == self.MESSAGE and record.args
+                    and record.args[0] in self.layers)
+
+
+def _quiet_expected_reload_warnings(tied_embeddings: bool) -> None:
+    if os.environ.get("RLEP_SHOW_ALL_WARNINGS") == "1":
+        return
+    target = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    for existing in [f for f in target.filters if isinstance(f, _ExpectedReloadWarnings)]:
+        target.removeFilter(existing)
+    target.addFilter(_ExpectedReloadWarnings(
+        {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied_embeddings else set())))
+
+
 class RolloutEngine:
     """One vLLM engine replica per rollout group; collective over the whole world."""
 
@@ -112,7 +140,9 @@ class RolloutEngine:
         if not os.path.isfile(hf_config_path):
             raise FileNotFoundError(f"rollout model directory {model_dir!r} has no config.json")
         with open(hf_config_path) as f:
-            heads = json.load(f).get("num_attention_heads")
+            hf_config = json.load(f)
+        heads = hf_config.get("num_attention_heads")
+        _quiet_expected_reload_warnings(bool(hf_config.get("tie_word_embeddings", False)))
         if heads and heads % tp:
             raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the "
                              f"model's {heads} attention heads")

@@ -127,3 +127,31 @@ def test_equal_prompts_split_evenly_and_a_lone_prompt_leaves_a_replica_empty():
     assert sorted(len(s) for s in split_by_budget([9], 2)) == [0, 1]
     # one long prompt against three short ones: the long one is a share of its own
     assert [list(s) for s in split_by_budget([300, 100, 100, 100], 2)] == [[0], [1, 2, 3]]
+
+
+def test_only_the_expected_reload_warnings_are_dropped(monkeypatch, caplog):
+    """At every weight sync vLLM warns that the rotary embedding (and a tied LM head) received
+    no weights: expected, dropped; another layer without weights is still reported, and
+    RLEP_SHOW_ALL_WARNINGS=1 keeps everything."""
+    import logging
+
+    from rlep_megatron.rollout.engine import _quiet_expected_reload_warnings
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.delenv("RLEP_SHOW_ALL_WARNINGS", raising=False)
+
+    def warned(tied, layer):
+        _quiet_expected_reload_warnings(tied)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("%s: Failed to load weights", layer)
+        return len(caplog.records) == 1
+
+    assert not warned(True, "RotaryEmbedding") and not warned(True, "ParallelLMHead")
+    assert warned(False, "ParallelLMHead")  # an untied head must receive its weights
+    assert warned(True, "QKVParallelLinear")
+    assert len(logger.filters) == 1  # installed once per engine, not stacked
+    logger.filters.clear()
+    monkeypatch.setenv("RLEP_SHOW_ALL_WARNINGS", "1")
+    assert warned(True, "RotaryEmbedding")
