@@ -113,14 +113,46 @@ class _ExpectedReloadWarnings(logging.Filter):
                     and record.args[0] in self.layers)
 
 
+class _WarnOnce(logging.Filter):
+    """A vLLM warning is printed the first time only (the CPU backend, for one, repeats its
+    thread-binding notice at every weight sync)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        key = (record.name, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+_WARN_ONCE = _WarnOnce()
+
+
 def _quiet_expected_reload_warnings(tied_embeddings: bool) -> None:
+    """Install :class:`_ExpectedReloadWarnings` and, on every vLLM module's logger that
+    exists once the engine is built, :class:`_WarnOnce`, unless ``RLEP_SHOW_ALL_WARNINGS=1``
+    (vLLM reconfigures its handlers when an engine starts, so the filters sit on the
+    loggers)."""
     if os.environ.get("RLEP_SHOW_ALL_WARNINGS") == "1":
         return
     target = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     for existing in [f for f in target.filters if isinstance(f, _ExpectedReloadWarnings)]:
         target.removeFilter(existing)
-    target.addFilter(_ExpectedReloadWarnings(
+    # first, so that a dropped record never counts as seen by _WarnOnce
+    target.filters.insert(0, _ExpectedReloadWarnings(
         {"RotaryEmbedding"} | ({"ParallelLMHead"} if tied_embeddings else set())))
+    # created here if not imported yet: repeats its thread-binding notice while it starts
+    logging.getLogger("vllm.v1.worker.cpu_worker")
+    for name, candidate in list(logging.Logger.manager.loggerDict.items()):
+        if (name.startswith("vllm.") and isinstance(candidate, logging.Logger)
+                and _WARN_ONCE not in candidate.filters):
+            candidate.addFilter(_WARN_ONCE)
 
 
 class RolloutEngine:
@@ -142,7 +174,6 @@ class RolloutEngine:
         with open(hf_config_path) as f:
             hf_config = json.load(f)
         heads = hf_config.get("num_attention_heads")
-        _quiet_expected_reload_warnings(bool(hf_config.get("tie_word_embeddings", False)))
         if heads and heads % tp:
             raise ValueError(f"rollout.tensor_model_parallel_size={tp} does not divide the "
                              f"model's {heads} attention heads")
@@ -159,6 +190,9 @@ class RolloutEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
+        tied = bool(hf_config.get("tie_word_embeddings", False))
+        _quiet_expected_reload_warnings(tied)
+
         started = time.perf_counter()
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
@@ -174,6 +208,8 @@ class RolloutEngine:
             worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
         )
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+        # again for the vLLM modules the engine imported
+        _quiet_expected_reload_warnings(tied)
         self.dummy_batches = 0            # engine steps without requests (should stay 0)
         self.last_generate_s = 0.0        # this replica's own sampling time in the last call
         self._count_dummy_batches()

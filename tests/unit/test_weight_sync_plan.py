@@ -131,14 +131,16 @@ def test_equal_prompts_split_evenly_and_a_lone_prompt_leaves_a_replica_empty():
 
 def test_only_the_expected_reload_warnings_are_dropped(monkeypatch, caplog):
     """At every weight sync vLLM warns that the rotary embedding (and a tied LM head) received
-    no weights: expected, dropped; another layer without weights is still reported, and
-    RLEP_SHOW_ALL_WARNINGS=1 keeps everything."""
+    no weights: expected, dropped; another layer without weights is still reported (once per
+    process, as every vLLM warning), and RLEP_SHOW_ALL_WARNINGS=1 keeps everything."""
+    from rlep_megatron.rollout import engine
     import logging
 
     from rlep_megatron.rollout.engine import _quiet_expected_reload_warnings
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(engine._WARN_ONCE, "seen", set())
     monkeypatch.delenv("RLEP_SHOW_ALL_WARNINGS", raising=False)
 
     def warned(tied, layer):
@@ -151,7 +153,8 @@ def test_only_the_expected_reload_warnings_are_dropped(monkeypatch, caplog):
     assert not warned(True, "RotaryEmbedding") and not warned(True, "ParallelLMHead")
     assert warned(False, "ParallelLMHead")  # an untied head must receive its weights
     assert warned(True, "QKVParallelLinear")
-    assert len(logger.filters) == 1  # installed once per engine, not stacked
+    assert len(logger.filters) == 2  # one of each, not stacked per engine
+    assert warned(True, "QKVParallelLinear") is False  # a repeated warning is printed once
     logger.filters.clear()
     monkeypatch.setenv("RLEP_SHOW_ALL_WARNINGS", "1")
     assert warned(True, "RotaryEmbedding")
