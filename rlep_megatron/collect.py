@@ -1,4 +1,4 @@
-"""``rlep collect``: build the experience pool (RLEP_SPEC.md section 1), which the reference code
+"""``rlep collect``: build the experience pool (docs/ALGORITHM.md section 1), which the reference code
 never released.
 
 Load a checkpoint (HF directory or training checkpoint), deduplicate the training questions,
@@ -105,7 +105,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
                         for r, responses in zip(indices, groups) for resp in responses]
             results = iter(map_across_ranks(scorer.score, requests))
             # per question: its distinct correct texts (sampling order) and how many of its
-            # samples were correct; min_correct counts the latter (RLEP_SPEC.md section 1)
+            # samples were correct; min_correct counts the latter (docs/ALGORITHM.md section 1)
             correct, counts = [], []
             for responses in groups:
                 texts, count = [], 0

@@ -91,7 +91,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_files: list[str] = field(default_factory=list)
-    """Training parquet files in the DAPO schema (RLEP_SPEC.md section 2)."""
+    """Training parquet files in the DAPO schema (docs/ALGORITHM.md section 2)."""
     val_files: list[str] = field(default_factory=list)
     """Validation parquet files; metrics are reported per ``data_source``."""
     train_batch_size: int = 512
@@ -186,7 +186,7 @@ class RewardConfig:
     timeout_s: float = 10.0
     """Hard per-answer timeout; a timed-out answer scores -1."""
     overlong_buffer_tokens: int = 512
-    """Overlong shaping buffer (RLEP_SPEC.md section 5); 0 disables shaping."""
+    """Overlong shaping buffer (docs/ALGORITHM.md section 5); 0 disables shaping."""
     overlong_penalty_factor: float = 1.0
     """Maximum overlong penalty, reached at ``rollout.max_response_tokens``."""
     function: str = ""
@@ -210,7 +210,7 @@ class RewardConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     clip_ratio_low: float = 0.2
-    """eps_low of clip-higher (RLEP_SPEC.md section 4)."""
+    """eps_low of clip-higher (docs/ALGORITHM.md section 4)."""
     clip_ratio_high: float = 0.28
     """eps_high of clip-higher."""
     clip_ratio_c: float = 10.0
@@ -295,7 +295,7 @@ class OptimConfig:
     lr_warmup_steps: int = 10
     """Linear warm-up length, then constant; counted in ``lr_warmup_unit``."""
     lr_warmup_unit: str = "training_steps"
-    """``training_steps`` (the reference, RLEP_SPEC.md section 4): lr = lr x min(1, s / warm-up)
+    """``training_steps`` (the reference, docs/ALGORITHM.md section 4): lr = lr x min(1, s / warm-up)
     for training step s = 0, 1, ..., shared by all optimizer steps of that training step, so the
     first training step runs at lr 0 when warm-up > 0 (a quirk of the reference's scheduler,
     reproduced). ``optimizer_steps``: lr x (k + 1) / warm-up for optimizer step k."""
@@ -435,7 +435,7 @@ class CollectConfig:
     checkpoint: str = ""
     """Checkpoint to sample from (Megatron training checkpoint or HF directory)."""
     num_samples_per_prompt: int = 64
-    """Answers sampled per unique training question (RLEP_SPEC.md section 1)."""
+    """Answers sampled per unique training question (docs/ALGORITHM.md section 1)."""
     temperature: float = 0.7
     """Sampling temperature of collection (> 0)."""
     top_p: float = 0.95

@@ -1,5 +1,5 @@
 """Evaluation metrics over k sampled answers per question, grouped per ``data_source``
-(RLEP_SPEC.md section 5): ``mean@k``, ``maj@k``, ``best@k`` (bootstrap) and unbiased ``pass@k``.
+(docs/ALGORITHM.md section 5): ``mean@k``, ``maj@k``, ``best@k`` (bootstrap) and unbiased ``pass@k``.
 
 A question's samples are given as parallel lists of correctness flags and extracted answers.
 """

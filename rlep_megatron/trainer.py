@@ -1,4 +1,4 @@
-"""The RL loop (RLEP_SPEC.md section 3), ``rlep train``.
+"""The RL loop (docs/ALGORITHM.md section 3), ``rlep train``.
 
 One training step, one named and timed call per phase:
 

@@ -1,7 +1,7 @@
 """The actor's optimizer: megatron-core DDP wrapping, AdamW (megatron's distributed optimizer,
 which shards the Adam state over data-parallel ranks, unless turned off), linear warmup then
 constant learning rate, grad-norm clipping, and a step that is skipped (and counted) when the
-grad norm is not finite (RLEP_SPEC.md sections 4, 8).
+grad norm is not finite (docs/ALGORITHM.md sections 4, 8).
 """
 from __future__ import annotations
 

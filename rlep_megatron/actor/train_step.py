@@ -1,7 +1,7 @@
 """One optimizer step of the actor on a mini-batch: micro-batches by a token budget, forward +
 backward through megatron-core's pipeline schedule with the RLEP loss, then the optimizer.
 
-Normalisation (RLEP_SPEC.md section 4): the number of valid response tokens of the whole
+Normalisation (docs/ALGORITHM.md section 4): the number of valid response tokens of the whole
 mini-batch is summed over data-parallel ranks once (:func:`global_counts`, which also sums the
 token slots for ``padding_frac``; the metrics are reduced after the step) and passed to ``policy_loss``, so the micro-batch losses add
 up to the exact global token mean. Megatron's schedule divides each micro-batch loss by the

@@ -1,4 +1,4 @@
-"""The RLEP/GRPO math (RLEP_SPEC.md sections 3-4): group advantages and the clipped policy loss.
+"""The RLEP/GRPO math (docs/ALGORITHM.md sections 3-4): group advantages and the clipped policy loss.
 
 Pure tensors: no torch.distributed, no Megatron. Cross-rank reductions (the global token count
 used as the loss normaliser) happen in the actor, which passes the result in.

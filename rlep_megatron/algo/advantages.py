@@ -1,7 +1,7 @@
 """Group-relative advantages over mixed groups of fresh and replayed responses (paper eq. 5).
 
 Every response of a group, fresh or replayed, counts: RLEP's G' = G + M responses share one
-mean and one standard deviation (RLEP_SPEC.md section 3, step 6).
+mean and one standard deviation (docs/ALGORITHM.md section 3, step 6).
 """
 from __future__ import annotations
 

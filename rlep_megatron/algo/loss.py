@@ -1,4 +1,4 @@
-"""The token-level clipped policy loss of DAPO/RLEP (paper eq. 3/4, RLEP_SPEC.md section 4).
+"""The token-level clipped policy loss of DAPO/RLEP (paper eq. 3/4, docs/ALGORITHM.md section 4).
 
 Per token: ``ratio = exp(logp - old_logp)``; clip-higher
 ``L = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` dual-clip

@@ -1,5 +1,5 @@
 """Prompt rendering and tokenisation: the chat template (plain text when the tokenizer has
-none), left truncation to the prompt budget (RLEP_SPEC.md section 3, step 2)."""
+none), left truncation to the prompt budget (docs/ALGORITHM.md section 3, step 2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

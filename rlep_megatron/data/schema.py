@@ -1,4 +1,4 @@
-"""The DAPO/RLEP parquet schema (RLEP_SPEC.md section 2): validation, reading, writing.
+"""The DAPO/RLEP parquet schema (docs/ALGORITHM.md section 2): validation, reading, writing.
 
 | column | type |
 |---|---|

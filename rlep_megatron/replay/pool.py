@@ -1,4 +1,4 @@
-"""The experience pool (RLEP_SPEC.md sections 1, 3.4 and 8): per question, the verified correct
+"""The experience pool (docs/ALGORITHM.md sections 1, 3.4 and 8): per question, the verified correct
 response texts; replay draws; tokenisation of replayed answers.
 
 A pool is read from ``reward_model.candidates`` of DAPO-schema rows (RLEP's released training
@@ -30,7 +30,7 @@ class ExperiencePool:
     @classmethod
     def from_rows(cls, rows: PromptRows) -> "ExperiencePool":
         """Collect ``candidates`` per question. Empty or whitespace-only texts are dropped: a
-        replayed empty answer would become a lone EOS scored -1 (RLEP_SPEC.md section 8)."""
+        replayed empty answer would become a lone EOS scored -1 (docs/ALGORITHM.md section 8)."""
         answers: dict[str, list[str]] = {}
         dropped = 0
         for messages, candidates in zip(rows.messages, rows.candidates):

@@ -17,7 +17,7 @@ def pool_rows(questions: PromptRows, candidates: Sequence[Sequence[str]],
               min_correct: int = 1,
               correct_counts: Optional[Sequence[int]] = None) -> PromptRows:
     """Rows of ``questions`` with their candidates; questions with fewer than ``min_correct``
-    correct answers are dropped (RLEP_SPEC.md section 1: at least 2). ``correct_counts`` gives
+    correct answers are dropped (docs/ALGORITHM.md section 1: at least 2). ``correct_counts`` gives
     each question's number of correct samples (duplicate texts included) when ``candidates``
     holds distinct texts; without it every non-empty candidate counts once."""
     keep = []

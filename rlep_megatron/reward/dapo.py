@@ -1,4 +1,4 @@
-"""The DAPO rule reward (RLEP_SPEC.md section 5): the last ``Answer:`` line of the response's last
+"""The DAPO rule reward (docs/ALGORITHM.md section 5): the last ``Answer:`` line of the response's last
 300 characters, Minerva-style normalisation, exact match; +1 correct, -1 otherwise.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Overlong reward shaping (DAPO; RLEP_SPEC.md section 5), applied to replays too."""
+"""Overlong reward shaping (DAPO; docs/ALGORITHM.md section 5), applied to replays too."""
 from __future__ import annotations
 
 

@@ -88,7 +88,7 @@ def test_warmup_counts_training_steps_like_the_reference():
 
 @pytest.mark.parametrize("recipe", ["rlep.yaml", "dapo_nodyn_bs64.yaml", "official_dapo.yaml"])
 def test_7b_recipes_warm_up_as_the_reference(recipe):
-    """RLEP_SPEC.md section 4: lr 1e-6, 10 training steps of linear warm-up, first at lr 0."""
+    """docs/ALGORITHM.md section 4: lr 1e-6, 10 training steps of linear warm-up, first at lr 0."""
     import os
 
     cfg = load_config(os.path.join(REPO_ROOT, "examples", recipe))

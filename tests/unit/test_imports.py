@@ -30,7 +30,8 @@ PURE_PACKAGES = ("algo", "reward", "replay", "data")
 
 
 def test_pure_packages_do_not_touch_distributed_state():
-    """algo/, reward/, replay/, data/ are pure (STYLE.md 4): no torch.distributed, no Megatron."""
+    """algo/, reward/, replay/, data/ are pure (no process groups in pure logic): no
+    torch.distributed, no Megatron."""
     import os
     import re
 

@@ -1,4 +1,4 @@
-"""The shipped recipes load, and the paper's three 7B recipes carry RLEP_SPEC.md section 6."""
+"""The shipped recipes load, and the paper's three 7B recipes carry docs/ALGORITHM.md section 6."""
 import glob
 import os
 

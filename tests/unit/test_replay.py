@@ -1,4 +1,4 @@
-"""The experience pool: draws as RLEP_SPEC.md section 3.4 defines them, tokenisation, the
+"""The experience pool: draws as docs/ALGORITHM.md section 3.4 defines them, tokenisation, the
 writer's schema, atomicity and statistics."""
 import json
 import os
@@ -115,7 +115,7 @@ def test_tokenize_replays_appends_eos_and_truncates(tiny_qwen2_dir):
 
 
 def test_min_correct_counts_correct_samples_not_distinct_texts():
-    """RLEP_SPEC.md section 1: a question needs at least 2 correct answers; two correct samples
+    """docs/ALGORITHM.md section 1: a question needs at least 2 correct answers; two correct samples
     with the same text are two correct answers (one distinct text is stored)."""
     questions = rows_with([None, None, None])
     rows = pool_rows(questions, [["Answer: 0"], ["Answer: 1"], ["Answer: 2", "so\nAnswer: 2"]],

@@ -40,7 +40,7 @@ class InProcessScorer:
 
 
 def test_replays_are_rescored_and_shaped_like_fresh_responses():
-    """RLEP_SPEC.md section 5: overlong shaping applies to replays too. max 32 tokens, buffer 8:
+    """docs/ALGORITHM.md section 5: overlong shaping applies to replays too. max 32 tokens, buffer 8:
     a response of L > 24 tokens gets min(0, -(L - 24) / 8)."""
     cfg = load_config(None, ["rollout.max_response_tokens=32", "reward.overlong_buffer_tokens=8",
                              "reward.overlong_penalty_factor=1.0"])
