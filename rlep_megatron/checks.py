@@ -4,7 +4,7 @@ every job (``train``, ``collect``, ``eval``) before its first expensive step.
 
 Field-level checks (types, ranges, enumerations) live in the config dataclasses; here are the
 ones that need the filesystem or several fields at once: the model directory and its
-``config.json``, tensor/pipeline parallelism against heads, key/value heads and layers (and
+``config.json`` and its architecture, tensor/pipeline parallelism against heads, key/value heads and layers (and
 against the world size under torchrun), the rollout's tensor parallelism, the files each job
 reads, and ``checkpoint.resume``. Every problem found is reported, one line each.
 """
@@ -91,6 +91,12 @@ def check_run_config(cfg: RunConfig, command: str = "config") -> None:
     problems: list[str] = []
     hf = _hf_config(cfg, problems)
     if hf is not None:
+        from rlep_megatron.checkpoint import architecture_for
+
+        try:
+            architecture_for(hf)  # a supported family, with options it can map
+        except ValueError as err:
+            problems.append(f"model.hf_dir={cfg.model.hf_dir!r}: {err}")
         _check_layout(cfg, hf, problems)
     if command in ("config", "train"):
         _check_files("data.train_files", cfg.data.train_files, problems, required=True)

@@ -205,6 +205,7 @@ def write_table_atomic(table: pa.Table, path: str) -> None:
     os.close(fd)
     try:
         pq.write_table(table, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600: a data file others may read
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -187,15 +187,24 @@ MISTAKES = [  # (override, what the one line must say)
     ("lr=1e-6", "did you mean optim.lr?"),
     ("rollout.n=8", "did you mean rollout.num_samples_per_prompt?"),
     ("trainer.totl_steps=3", "did you mean trainer.total_steps"),
+    ("model.hf_dir={other_arch}", "model_type 'gpt2' is not supported; supported: ['llama', "
+                                  "'qwen2']"),
 ]
 
 
 @pytest.mark.parametrize("override,message", MISTAKES, ids=[m[0] for m in MISTAKES])
-def test_rlep_config_catches_each_mistake_in_one_line(runnable, override, message, capsys):
+def test_rlep_config_catches_each_mistake_in_one_line(runnable, override, message, capsys,
+                                                     tmp_path):
     from rlep_megatron.cli import main
 
     assert main(["config", *runnable]) == 0  # the same recipe without the mistake is fine
     capsys.readouterr()
+    if "{other_arch}" in override:
+        other = tmp_path / "gpt2"
+        other.mkdir()
+        (other / "config.json").write_text('{"model_type": "gpt2", "num_attention_heads": 4, '
+                                           '"num_hidden_layers": 2}')
+        override = override.format(other_arch=other)
     assert main(["config", *runnable, override]) == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]

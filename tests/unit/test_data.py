@@ -146,6 +146,7 @@ def test_round_trip_with_candidates_and_dedup(tmp_path):
     assert again.candidates == [["Answer: 1"], [], [], ["x"], [], []]
     assert again.ground_truth == rows.ground_truth
     assert [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
+    assert os.stat(out).st_mode & 0o777 == 0o644  # readable by others, as any data file
 
 
 def test_prompt_rendering_and_left_truncation(tiny_qwen2_dir):
