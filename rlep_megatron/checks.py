@@ -105,9 +105,7 @@ def check_run_config(cfg: RunConfig, command: str = "config") -> None:
         _check_resume(cfg, problems)
     elif command == "collect":
         _check_files("data.train_files", cfg.data.train_files, problems, required=True)
-        if not cfg.collect.checkpoint:
-            problems.append("collect.checkpoint is required: the checkpoint to sample the pool "
-                            "from (a training checkpoint or an HF directory)")
+        # empty: the pool is sampled from model.hf_dir
         _check_checkpoint("collect.checkpoint", cfg.collect.checkpoint, problems)
     elif command == "eval":
         # eval.files, or the validation files when it is empty

@@ -55,12 +55,11 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _load_for_job(args: argparse.Namespace):
     """The run's config, and the device chosen before anything is built (no silent CPU
-    fall-back on a GPU node: :func:`rlep_megatron.platform.choose_device`)."""
+    fall-back on a GPU node: :func:`rlep_megatron.platform.choose_device`). Each job checks
+    its config against the files it names first thing (:mod:`rlep_megatron.checks`)."""
     from rlep_megatron import platform
-    from rlep_megatron.checks import check_run_config
 
     cfg = config_lib.load_config(args.config, args.overrides)
-    check_run_config(cfg, args.command)
     device = platform.choose_device(cfg.trainer.device)
     logger.info("device: %s (trainer.device=%s)", device, cfg.trainer.device)
     return cfg

@@ -59,6 +59,9 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
     from rlep_megatron.reward.pool import ScoreRequest
     from rlep_megatron.rollout.loading import checkpoint_kind, engine_and_scorer
 
+    from rlep_megatron.checks import check_run_config
+
+    check_run_config(cfg, "collect")  # model, files, checkpoint: before any model work
     c = cfg.collect
     rows = read_prompt_files(cfg.data.train_files, deduplicate=True)
     from rlep_megatron.reward import check_rewards

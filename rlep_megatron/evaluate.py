@@ -136,9 +136,10 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
     from rlep_megatron.data.schema import read_prompt_files
     from rlep_megatron.rollout.loading import checkpoint_kind, engine_and_scorer
 
+    from rlep_megatron.checks import check_run_config
+
+    check_run_config(cfg, "eval")  # model, files, checkpoint: before any model work
     files = cfg.eval.files or cfg.data.val_files
-    if not files:
-        raise ValueError("no eval files: set eval.files (or data.val_files)")
     rows = read_prompt_files(files, deduplicate=True)  # checks the schema before any model work
     from rlep_megatron.reward import check_rewards
 

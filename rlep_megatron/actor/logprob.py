@@ -107,24 +107,27 @@ def _logprobs_without_grad(logits: torch.Tensor, targets: torch.Tensor, real_voc
     start = tp_rank * shard
     pad_from = real_vocab_size - start  # local columns at or after it are padding
     multi = tp_group is not None and torch.distributed.get_world_size(tp_group) > 1
-    # 2-D views of the logits' rows of tokens, without copying them: ``logits[:, :-1]`` of a
-    # padded batch cannot be flattened in place, each of its rows can
-    if logits.dim() == 3 and not logits.is_contiguous():
-        rows = [logits[i] for i in range(logits.shape[0])]
-    else:
-        rows = [logits.reshape(-1, shard)]
-    flat_targets = targets.reshape(-1)
-    count = flat_targets.numel()
+    # [rows, tokens, shard] without copying: ``logits[:, :-1]`` of a padded batch cannot be
+    # flattened in place, but a block of its rows can be copied into one float32 chunk
+    blocks3d = logits if logits.dim() == 3 else logits.reshape(1, -1, shard)
+    num_rows, row_len = blocks3d.shape[0], blocks3d.shape[1]
+    count = num_rows * row_len
     logp = torch.empty(count, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if with_entropy else None
-    step = max(1, NO_GRAD_CHUNK_BYTES // (4 * shard))
-    chunks = [(row, offset, lo, min(lo + step, row.shape[0]))
-              for row, offset in zip(rows, range(0, count, max(rows[0].shape[0], 1)))
-              for lo in range(0, row.shape[0], step)]
+    flat_targets = targets.reshape(-1)
+    step = max(1, NO_GRAD_CHUNK_BYTES // (4 * shard))  # tokens per chunk
+    if count == 0:
+        chunks = []
+    elif row_len <= step:  # whole rows per chunk (the same chunks on every TP rank)
+        per = max(1, step // max(row_len, 1))
+        chunks = [(r, min(r + per, num_rows), 0, row_len) for r in range(0, num_rows, per)]
+    else:  # a row longer than a chunk: pieces of one row
+        chunks = [(r, r + 1, t, min(t + step, row_len)) for r in range(num_rows)
+                  for t in range(0, row_len, step)]
     with torch.no_grad():
-        for row, offset, row_lo, row_hi in chunks:
-            lo, hi = offset + row_lo, offset + row_hi
-            x = row[row_lo:row_hi].to(torch.float32, copy=True)
+        for r0, r1, t0, t1 in chunks:
+            lo, hi = r0 * row_len + t0, (r1 - 1) * row_len + t1
+            x = blocks3d[r0:r1, t0:t1].to(torch.float32, copy=True).reshape(-1, shard)
             if temperature != 1.0:
                 x.div_(temperature)
             if pad_from < shard:

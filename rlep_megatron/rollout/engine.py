@@ -210,28 +210,10 @@ class RolloutEngine:
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
         # again for the vLLM modules the engine imported
         _quiet_expected_reload_warnings(tied)
-        self.dummy_batches = 0            # engine steps without requests (should stay 0)
-        self.last_generate_s = 0.0        # this replica's own sampling time in the last call
-        self._count_dummy_batches()
         logger.info("rollout engine ready in %.1fs (rollout TP=%d, replicas=%d)",
                     time.perf_counter() - started, tp, self.dp_size)
 
     # ------------------------------------------------------------------ generation
-
-    def _count_dummy_batches(self) -> None:
-        """Count the engine's dummy batches (vLLM runs them when data-parallel replicas are
-        coupled and this one has no work). Independent replicas never run one; the counter
-        makes that checkable."""
-        core = getattr(self.llm.llm_engine, "engine_core", None)
-        run = getattr(core, "execute_dummy_batch", None)
-        if run is None:
-            return
-
-        def counted(*args, **kwargs):
-            self.dummy_batches += 1
-            return run(*args, **kwargs)
-
-        core.execute_dummy_batch = counted
 
     def share(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 0) -> range:
         """The prompt indices this rank's replica samples: a contiguous range, balanced over
@@ -273,12 +255,10 @@ class RolloutEngine:
         params = [self.sampling_params(n, temperature, top_p, top_k, max_tokens,
                                        request_seed(seed, i, n)) for i in mine]
         local: list[list[Response]] = []
-        started = time.perf_counter()
         if requests:  # an empty share skips the engine: no other replica waits on it
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             for index, output in zip(mine, outputs):
                 local.append([_response(index, completion) for completion in output.outputs])
-        self.last_generate_s = time.perf_counter() - started
         return self._all_gather(local, len(prompts))
 
     def _all_gather(self, local: list[list[Response]], num_prompts: int

@@ -173,7 +173,7 @@ def fake_engine(calls):
     engine.__dict__.update(cfg=RolloutConfig(), rank=0, tp_size=1, dp_size=1, dp_rank=0,
                            sleep_enabled=True, _asleep=False, _kv_cache_asleep=False,
                            _stale_reason="started with dummy weights", llm=FakeVLLM(calls),
-                           dummy_batches=0, last_generate_s=0.0, eos_token_id=0)
+                           eos_token_id=0)
     return engine
 
 

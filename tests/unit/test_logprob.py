@@ -32,12 +32,13 @@ def test_logprobs_and_entropy_match_a_float64_softmax(entropy_grad):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk_tokens", [1, 4, 1000])
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 12, 1000])
 def test_forward_only_logprobs_in_chunks_match_a_float64_softmax(monkeypatch, chunk_tokens,
                                                                  dtype):
     """Without autograd the log-probs and entropy are computed chunk by chunk of tokens, in
     place on a copy (the caller's logits are untouched): the same values as the float64
-    softmax of the same (rounded) logits, for chunks of one token, a few, or all."""
+    softmax of the same (rounded) logits, for chunks of one token, part of a row, two rows,
+    or all."""
     from rlep_megatron.actor import logprob
 
     real_vocab, padded = 13, 16
