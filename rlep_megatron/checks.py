@@ -58,6 +58,11 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
     if "WORLD_SIZE" in os.environ and world % rollout_tp:  # under torchrun
         problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
                         f"world size {world}")
+    positions = hf.get("max_position_embeddings")
+    budget = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if isinstance(positions, int) and budget > positions:
+        problems.append(f"data.max_prompt_tokens + rollout.max_response_tokens = {budget} is "
+                        f"more than the model's max_position_embeddings ({positions})")
 
 
 def _check_files(key: str, paths: list[str], problems: list[str],

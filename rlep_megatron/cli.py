@@ -10,8 +10,10 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
   ``replay.num_replays_per_prompt`` > 0); resumes from ``checkpoint.resume``.
 * ``rlep collect --config F [overrides...]``: the experience pool from ``collect.checkpoint``.
 * ``rlep eval --config F [overrides...]``: mean/maj/best/pass@k of ``eval.checkpoint``.
-* ``rlep demo [--out-dir D] [--long] [--seeds N]``: the whole RLEP pipeline on the tiny default,
-  baseline vs RLEP over several seeds.
+* ``rlep init RECIPE --model DIR --train F [--val F] [--gpus N] [--nodes K] [--pool P]``: a recipe
+  for your own model and data from the shipped templates (:mod:`rlep_megatron.recipe_init`).
+* ``rlep demo [--out-dir D] [--long] [--seeds N] [--warm-start-seed S] [--prepare-only]``: the
+  whole RLEP pipeline on the tiny default, baseline vs RLEP over several seeds.
 """
 from __future__ import annotations
 
@@ -90,11 +92,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_init(args: argparse.Namespace) -> int:
+    from rlep_megatron.recipe_init import write_recipe
+
+    write_recipe(args.recipe, args.model, args.train, args.val, gpus=args.gpus,
+                 nodes=args.nodes, pool=args.pool, output_dir=args.output_dir, force=args.force)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlep_megatron.demo import run_demo
 
     run_demo(args.out_dir, long=args.long, nproc=args.nproc, seeds=args.seeds,
-             overrides=args.overrides)
+             overrides=args.overrides, warm_start_seed=args.warm_start_seed,
+             prepare_only=args.prepare_only)
     return 0
 
 
@@ -102,9 +113,10 @@ EXAMPLES = """examples:
   rlep demo                                               # the whole pipeline, tiny, on CPU
   rlep config --config examples/rlep.yaml                 # check a recipe, print it resolved
   rlep config --keys                                      # every section.key
+  rlep init my.yaml --model models/M --train data/train.parquet --val data/val.parquet --gpus 8
   rlep train --config examples/tiny_cpu_baseline.yaml trainer.total_steps=10
-  rlep collect --config examples/tiny_cpu_rlep.yaml collect.checkpoint=RUN/checkpoints/step_00000040
-  rlep eval --config examples/tiny_cpu_rlep.yaml eval.checkpoint=RUN/checkpoints/step_00000040
+  rlep collect --config examples/tiny_cpu_rlep.yaml collect.checkpoint=RUN_DIR   # newest checkpoint
+  rlep eval --config examples/tiny_cpu_rlep.yaml eval.checkpoint=RUN_DIR/checkpoints/step_00000040
   torchrun --nproc-per-node 8 -m rlep_megatron.cli train --config examples/rlep.yaml
 """
 
@@ -132,12 +144,34 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval = sub.add_parser("eval", help="evaluate a checkpoint (mean/maj/best/pass@k)")
     _add_common(p_eval)
     p_eval.set_defaults(func=_cmd_eval)
+    p_init = sub.add_parser("init", help="write a recipe for your own model and data from the "
+                                         "shipped templates")
+    p_init.add_argument("recipe", help="the YAML recipe to write")
+    p_init.add_argument("--model", required=True, help="HF model directory (config.json, "
+                        "tokenizer, safetensors)")
+    p_init.add_argument("--train", nargs="+", required=True, metavar="PARQUET",
+                        help="training files (DAPO schema; tools/prepare_data.py makes them)")
+    p_init.add_argument("--val", nargs="*", default=[], metavar="PARQUET",
+                        help="validation files")
+    p_init.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    p_init.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p_init.add_argument("--pool", default="", help="an experience pool (`rlep collect`): an "
+                        "RLEP recipe with M = 2 replays; without it a baseline (M = 0)")
+    p_init.add_argument("--output-dir", default="", help="trainer.output_dir of the recipe")
+    p_init.add_argument("--force", action="store_true", help="replace an existing recipe file")
+    p_init.set_defaults(func=_cmd_init)
     p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")
     p_demo.add_argument("--out-dir", default="outputs/tiny", help="work directory")
     p_demo.add_argument("--long", action="store_true",
                         help="a longer budget (more steps and seeds) than the quick default")
     p_demo.add_argument("--seeds", type=int, default=None,
                         help="training seeds per arm (default: 2 quick, 4 with --long)")
+    p_demo.add_argument("--warm-start-seed", type=int, default=0,
+                        help="seed of the tiny model's initial weights and warm start (the "
+                             "task stays the same); another seed needs another --out-dir")
+    p_demo.add_argument("--prepare-only", action="store_true",
+                        help="build the task and the warm-started model, then stop (for "
+                             "running the phases by hand, README.md)")
     p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
     p_demo.add_argument("--log-all-ranks", action="store_true")
     p_demo.add_argument("overrides", nargs="*", metavar="section.key=value",

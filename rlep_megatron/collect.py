@@ -57,7 +57,8 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
     from rlep_megatron.replay.writer import pool_rows, write_pool
     from rlep_megatron.distributed import map_across_ranks
     from rlep_megatron.reward.pool import ScoreRequest
-    from rlep_megatron.rollout.loading import checkpoint_kind, engine_and_scorer
+    from rlep_megatron.rollout.loading import (checkpoint_kind, engine_and_scorer,
+                                                resolve_checkpoint)
 
     from rlep_megatron.checks import check_run_config
 
@@ -67,7 +68,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
     from rlep_megatron.reward import check_rewards
 
     check_rewards({"data.train_files": rows}, cfg.reward.function)
-    checkpoint = c.checkpoint or cfg.model.hf_dir
+    checkpoint = resolve_checkpoint(c.checkpoint or cfg.model.hf_dir)
     checkpoint_kind(checkpoint)
     out = c.output_file or os.path.join(cfg.trainer.output_dir, "pool.parquet")
     if os.path.exists(out):
@@ -145,7 +146,8 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
             stats = write_pool(pool, out, tokenizer=tokenizer, extra={
                 "training_questions": len(rows), "samples_per_question": c.num_samples_per_prompt,
                 "min_correct": c.min_correct, "temperature": c.temperature, "top_p": c.top_p,
-                "checkpoint": checkpoint,
+                # relative to the pool's directory (the run's, by default)
+                "checkpoint": os.path.relpath(checkpoint, os.path.dirname(os.path.abspath(out))),
                 "sample_accuracy": num_correct / max(1, len(rows) * c.num_samples_per_prompt)})
             shutil.rmtree(shard_dir, ignore_errors=True)
             logger.info("wrote pool %s: %s", out, stats)

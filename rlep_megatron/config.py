@@ -410,8 +410,8 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     checkpoint: str = ""
-    """``rlep eval``: checkpoint to evaluate (a ``checkpoints/step_XXXXXXXX`` training checkpoint
-    or an HF directory); empty = ``model.hf_dir``."""
+    """``rlep eval``: checkpoint to evaluate (a ``checkpoints/step_XXXXXXXX`` training checkpoint,
+    a run's output directory for its newest one, or an HF directory); empty = ``model.hf_dir``."""
     files: list[str] = field(default_factory=list)
     """``rlep eval``: eval parquet files (DAPO schema, ``reward_model.ground_truth`` required);
     empty = ``data.val_files``."""
@@ -433,7 +433,8 @@ class EvalConfig:
 @dataclass(frozen=True)
 class CollectConfig:
     checkpoint: str = ""
-    """Checkpoint to sample from (Megatron training checkpoint or HF directory)."""
+    """Checkpoint to sample from (a training checkpoint, a run's output directory for its newest
+    one, or an HF directory); empty = ``model.hf_dir``."""
     num_samples_per_prompt: int = 64
     """Answers sampled per unique training question (docs/ALGORITHM.md section 1)."""
     temperature: float = 0.7

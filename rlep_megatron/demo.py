@@ -81,10 +81,12 @@ def _run(args: list[str], nproc: int, log_path: str) -> float:
 
 def read_curves(metrics_path: str) -> dict[str, dict[int, float]]:
     """``val``: validation mean@k per validated step (mean over data sources); ``train``:
-    ``rollout/acc_mean`` per training step; ``step_s``: ``timing/step_s`` per step."""
+    ``rollout/acc_mean`` per training step; ``step_s``: ``timing/step_s`` per step (the
+    training step alone); ``all_s``: the step with its validation and checkpoint (step 0: the
+    first validation)."""
     from rlep_megatron.metrics import read_metrics
 
-    curves: dict[str, dict[int, float]] = {"val": {}, "train": {}, "step_s": {}}
+    curves: dict[str, dict[int, float]] = {"val": {}, "train": {}, "step_s": {}, "all_s": {}}
     for entry in read_metrics(metrics_path):
         step = int(entry["step"])
         values = [v for key, v in entry.items() if key.startswith("val/") and "/mean@" in key]
@@ -94,6 +96,8 @@ def read_curves(metrics_path: str) -> dict[str, dict[int, float]]:
             curves["train"][step] = entry["rollout/acc_mean"]
         if "timing/step_s" in entry:
             curves["step_s"][step] = entry["timing/step_s"]
+        curves["all_s"][step] = sum(entry.get(f"timing/{name}_s", 0.0)
+                                    for name in ("step", "validate", "checkpoint"))
     return curves
 
 
@@ -128,6 +132,9 @@ def summarise_arm(runs: list[dict[str, dict[int, float]]], target: Optional[floa
         "steps_to_target": next((s for s in sorted(mean_curve) if mean_curve[s] >= target),
                                 None),
         "step_s": _spread([statistics.fmean(r["step_s"].values()) for r in runs]),
+        # everything the run's steps took (validations, checkpoints, step 0's validation) per
+        # training step; engine start-up and model building are not in metrics.jsonl
+        "all_s": _spread([sum(r["all_s"].values()) / len(r["step_s"]) for r in runs]),
     }
 
 
@@ -148,7 +155,10 @@ def comparison_table(summary: dict) -> str:
             (f"final validation mean@{k}", pct(b["final_val"]), pct(r["final_val"])),
             (f"steps to the baseline's best mean ({100 * b['best_mean_val']:.1f}%)",
              reach(b), reach(r)),
-            ("wall time per step (s)", f"{b['step_s']['mean']:.2f}", f"{r['step_s']['mean']:.2f}")]
+            ("training step alone (s)", f"{b['step_s']['mean']:.2f}",
+             f"{r['step_s']['mean']:.2f}"),
+            ("per step with validation and checkpoints (s)", f"{b['all_s']['mean']:.2f}",
+             f"{r['all_s']['mean']:.2f}")]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
@@ -161,7 +171,7 @@ def plot_comparison(summary: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     panels = [("val_band", f"validation mean@{summary['k']} (%)"),
-              ("train_band", "training reward: fresh rollouts correct (%)")]
+              ("train_band", "training accuracy: fresh rollouts correct (%)")]
     for ax, (key, label) in zip(axes, panels):
         for arm, name in (("baseline", "baseline"), ("rlep", "RLEP")):
             points = sorted((int(s), v) for s, v in summary[arm][key].items())
@@ -184,23 +194,25 @@ def plot_comparison(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-def prepare_model(out_dir: str) -> dict:
-    """The tiny task and the warm-started model (built once; ``warm_start.json`` records it)."""
+def prepare_model(out_dir: str, warm_start_seed: int = 0) -> dict:
+    """The tiny task and the warm-started model (built once; ``warm_start.json`` records it).
+    ``warm_start_seed`` seeds the model's initial weights and the warm start's batch order (the
+    task itself is always the same)."""
     from rlep_megatron.tiny_model import make_tiny_model
     from rlep_megatron.tiny_task import WARM_START_RECORD, make_tiny_task, warm_start
 
     task_dir, model_dir = os.path.join(out_dir, "task"), os.path.join(out_dir, "model")
-    _check_settings(out_dir)
+    _check_settings(out_dir, warm_start_seed)
     if not os.path.isfile(os.path.join(task_dir, "val.parquet")):
         make_tiny_task(task_dir, seed=0, **TASK)
     start_info = os.path.join(model_dir, WARM_START_RECORD)
     if not os.path.isfile(start_info):
         print(f"warm-starting the tiny model: {WARM_START['steps']} supervised steps ...",
               flush=True)
-        make_tiny_model(model_dir, seed=0, arch="qwen2")
+        make_tiny_model(model_dir, seed=warm_start_seed, arch="qwen2")
         warm_start(model_dir, os.path.join(task_dir, "train_solutions.jsonl"),
                    WARM_START["steps"], lr=WARM_START["lr"], batch_size=WARM_START["batch_size"],
-                   seed=0, eval_parquet=os.path.join(task_dir, "val.parquet"),
+                   seed=warm_start_seed, eval_parquet=os.path.join(task_dir, "val.parquet"),
                    extra_record={"task": TASK})
     with open(start_info) as f:
         return json.load(f)
@@ -209,10 +221,11 @@ def prepare_model(out_dir: str) -> dict:
 SETTINGS_FILE = "demo_settings.json"
 
 
-def _check_settings(out_dir: str) -> None:
+def _check_settings(out_dir: str, warm_start_seed: int) -> None:
     """A demo directory is continued only with the task and warm start it was built with: a
     directory from another version (or other settings) is refused, never overwritten."""
-    settings = json.dumps({"task": TASK, "warm_start": WARM_START}, sort_keys=True)
+    settings = json.dumps({"task": TASK, "warm_start": WARM_START,
+                           "warm_start_seed": warm_start_seed}, sort_keys=True)
     path = os.path.join(out_dir, SETTINGS_FILE)
     if os.path.isfile(path):
         with open(path) as f:
@@ -221,12 +234,14 @@ def _check_settings(out_dir: str) -> None:
     elif not os.listdir(out_dir):
         write_file_atomic(path, settings)
         return
-    raise FileExistsError(f"{out_dir} holds a tiny default built with other settings (or by an "
-                          f"older version of rlep demo); remove it or give another --out-dir")
+    raise FileExistsError(f"{out_dir} holds a tiny default built with other settings (another "
+                          f"--warm-start-seed, or an older version of rlep demo); remove it or "
+                          f"give another --out-dir")
 
 
 def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
-             seeds: Optional[int] = None, overrides: Optional[list[str]] = None) -> dict:
+             seeds: Optional[int] = None, overrides: Optional[list[str]] = None,
+             warm_start_seed: int = 0, prepare_only: bool = False) -> dict:
     budget = dict(LONG if long else QUICK)
     if seeds is not None:
         if seeds < 1:
@@ -240,11 +255,15 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     os.makedirs(out_dir, exist_ok=True)
     recipes = examples_dir()
     task_dir, model_dir = os.path.join(out_dir, "task"), os.path.join(out_dir, "model")
-    summary: dict = {"budget": budget, "nproc": nproc}
-    summary["warm_start"] = prepare_model(out_dir)
+    summary: dict = {"budget": budget, "nproc": nproc, "warm_start_seed": warm_start_seed,
+                     "torch_threads": _torch_threads()}
+    summary["warm_start"] = prepare_model(out_dir, warm_start_seed)
     print(f"warm-started tiny model: greedy accuracy on the validation split "
           f"{100 * summary['warm_start']['accuracy']:.1f}% after "
           f"{summary['warm_start']['pretrain_steps']} supervised steps", flush=True)
+    if prepare_only:
+        print(f"task: {task_dir}\nmodel: {model_dir}", flush=True)
+        return summary
 
     common = [f"model.hf_dir={model_dir}",
               f"data.train_files=[{os.path.join(task_dir, 'train.parquet')}]",
@@ -303,12 +322,33 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     plot = os.path.join(out_dir, "comparison.png")
     plot_comparison(summary, plot)
     summary["wall_s"] = time.perf_counter() - started
+    summary["machine"] = machine_description()
     summary_path = os.path.join(out_dir, "summary.json")
     write_file_atomic(summary_path, json.dumps(summary, indent=1))
     print(comparison_table(summary))
     print(f"plot: {plot}\nsummary: {summary_path}\ntotal wall time: "
-          f"{summary['wall_s'] / 60:.1f} min", flush=True)
+          f"{summary['wall_s'] / 60:.1f} min on {summary['machine']}", flush=True)
     return summary
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def machine_description() -> str:
+    """The CPU model, its cores and torch's thread count: what the demo's figures depend on."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {_torch_threads()} torch threads"
 
 
 def _validation_k(metrics_path: str) -> int:

@@ -134,7 +134,8 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
 
     from rlep_megatron import distributed
     from rlep_megatron.data.schema import read_prompt_files
-    from rlep_megatron.rollout.loading import checkpoint_kind, engine_and_scorer
+    from rlep_megatron.rollout.loading import (checkpoint_kind, engine_and_scorer,
+                                                resolve_checkpoint)
 
     from rlep_megatron.checks import check_run_config
 
@@ -144,7 +145,7 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
     from rlep_megatron.reward import check_rewards
 
     check_rewards({"the eval files": rows}, cfg.reward.function)
-    checkpoint = cfg.eval.checkpoint or cfg.model.hf_dir
+    checkpoint = resolve_checkpoint(cfg.eval.checkpoint or cfg.model.hf_dir)
     checkpoint_kind(checkpoint)
     out = cfg.eval.output_file or os.path.join(cfg.trainer.output_dir, "eval.json")
     samples: list[dict] = []

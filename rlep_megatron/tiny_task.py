@@ -225,7 +225,8 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3
         accuracy = greedy_accuracy(model, tokenizer, eval_parquet, eval_questions)
     result = {"loss": loss_value, "accuracy": accuracy}
     record = {"pretrain_steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed,
-              "solutions": os.path.abspath(solutions_path), **result, **(extra_record or {})}
+              "solutions": os.path.relpath(solutions_path, model_dir),  # from the model's dir
+              **result, **(extra_record or {})}
     with staged_output(model_dir, replace_existing=True) as staging:
         for name in os.listdir(model_dir):
             if not name.endswith(".safetensors") and name != WARM_START_RECORD:

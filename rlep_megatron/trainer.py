@@ -126,6 +126,10 @@ def _throughput(batch: StepBatch, timings: dict[str, float]) -> dict[str, float]
     return out
 
 
+# the replay keys a run with M = 0 still writes (docs/DESIGN.md's metric contract)
+REPLAY_KEYS_WITHOUT_REPLAY = ("replay/fraction", "replay/num_sequences", "replay/reward_mean")
+
+
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values) / len(values)) if values else 0.0
@@ -610,6 +614,12 @@ class Trainer:
         m.update(old)
         for key, value in train.items():
             m[f"train/{key}"] = value
+        if self.replay_sampler is None:
+            # no replays configured (M = 0): no means over an empty set; the contract's
+            # replay/fraction, replay/num_sequences and replay/reward_mean stay (0 by convention)
+            m = {k: v for k, v in m.items()
+                 if k in REPLAY_KEYS_WITHOUT_REPLAY or not (k.startswith("replay/")
+                                                            or k.endswith("/replay"))}
         return m
 
     def train_step(self) -> dict[str, float]:

@@ -16,6 +16,23 @@ from rlep_megatron import distributed
 logger = logging.getLogger(__name__)
 
 
+def resolve_checkpoint(path: str) -> str:
+    """``path`` itself, or for a run's output directory (``trainer.output_dir``, holding
+    ``checkpoints/``) its newest complete checkpoint."""
+    from rlep_megatron.checkpoint.resume import list_checkpoints
+
+    root = os.path.join(path, "checkpoints") if path else ""
+    if not path or not os.path.isdir(root) or os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    found = list_checkpoints(root)
+    if not found:
+        raise FileNotFoundError(f"{path!r} is a run directory without a complete checkpoint "
+                                f"under {root}")
+    step, newest = found[-1]
+    logger.info("using the newest checkpoint of %s: step %d (%s)", path, step, newest)
+    return newest
+
+
 def checkpoint_kind(path: str) -> str:
     """``"hf"`` or ``"training"``; a clear error for anything else."""
     if not path:

@@ -95,6 +95,7 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
     assert len(pool) >= 3
     stats = json.load(open(tmp_path / "pool.stats.json"))
     assert stats["training_questions"] == 6 and stats["questions"] == len(rows)
+    assert stats["checkpoint"] == os.path.relpath(model, tmp_path)  # from the pool's directory
     assert not os.path.exists(shard_dir)
     # a pool file that already exists is never overwritten
     again = run_rlep(collect_args(task, model, out, shards=6), check=False)

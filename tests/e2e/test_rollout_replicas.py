@@ -31,6 +31,10 @@ def test_fewer_or_uneven_prompts_over_two_replicas(tiny_qwen2_dir, tmp_path, num
     assert [r["step"] for r in records] == [0, 1]
     assert records[1]["rollout/num_groups"] == num_prompts
     assert all(f"val/tiny_arith/mean@2" in r for r in records)
+    # M = 0: the contract's replay keys (0), no means over an empty set of replays
+    replay_keys = sorted(k for k in records[1] if k.startswith("replay/") or k.endswith("/replay"))
+    assert replay_keys == ["replay/fraction", "replay/num_sequences", "replay/reward_mean"]
+    assert [records[1][k] for k in replay_keys] == [0.0, 0.0, 0.0]
 
     report_file = tmp_path / "eval.json"
     run_rlep(["eval", "--config", recipe("tiny_cpu_baseline.yaml"),

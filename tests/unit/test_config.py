@@ -164,7 +164,8 @@ def runnable(tmp_path, tiny_qwen2_dir):
 
     task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
     return [f"model.hf_dir={tiny_qwen2_dir}", f"data.train_files=[{task['train']}]",
-            f"data.val_files=[{task['val']}]"]
+            f"data.val_files=[{task['val']}]", "data.max_prompt_tokens=128",
+            "rollout.max_response_tokens=256"]  # within the model's 2048 positions
 
 
 MISTAKES = [  # (override, what the one line must say)
@@ -187,6 +188,9 @@ MISTAKES = [  # (override, what the one line must say)
     ("lr=1e-6", "did you mean optim.lr?"),
     ("rollout.n=8", "did you mean rollout.num_samples_per_prompt?"),
     ("trainer.totl_steps=3", "did you mean trainer.total_steps"),
+    ("rollout.max_response_tokens=2000", "max_prompt_tokens + rollout.max_response_tokens = "
+                                         "2128 is more than the model's max_position_embeddings "
+                                         "(2048)"),
     ("model.hf_dir={other_arch}", "model_type 'gpt2' is not supported; supported: ['llama', "
                                   "'qwen2']"),
 ]

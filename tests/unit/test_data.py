@@ -81,6 +81,30 @@ def test_prepare_problem_answer_format_and_bad_input(tmp_path):
     assert proc.returncode == 2 and "####" in proc.stderr
 
 
+def test_prepare_named_columns_from_jsonl_json_and_parquet(tmp_path):
+    records = [{"q": "What is 2+3?", "sol": "2+3=5\n#### 5"}, {"q": "Half of 9?", "sol": "4.5"}]
+    src = write_jsonl(tmp_path / "named.jsonl", records)
+    (tmp_path / "named.json").write_text(json.dumps(records))
+    pq.write_table(pa.Table.from_pylist(records), str(tmp_path / "named.parquet"))
+    for suffix in ("jsonl", "json", "parquet"):
+        out = str(tmp_path / f"from_{suffix}.parquet")
+        proc = subprocess.run([sys.executable, "tools/prepare_data.py", "--input",
+                               str(tmp_path / f"named.{suffix}"), "--output", out,
+                               "--data-source", "math_dapo", "--question-key", "q",
+                               "--answer-key", "sol"], cwd=REPO_ROOT, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stderr
+        rows = read_prompt_file(out)
+        # auto: the GSM8K final answer where '####' is present, the whole answer elsewhere
+        assert rows.ground_truth == ["5", "4.5"], suffix
+        assert "Half of 9?" in rows.messages[1][0]["content"]
+    proc = subprocess.run([sys.executable, "tools/prepare_data.py", "--input", src, "--output",
+                           str(tmp_path / "x.parquet"), "--data-source", "math_dapo",
+                           "--question-key", "question"], cwd=REPO_ROOT, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "named.jsonl:1: no 'question' or 'answer'" in proc.stderr
+
+
 def base_table(n=3):
     return pa.table({
         "data_source": ["math_dapo"] * n,

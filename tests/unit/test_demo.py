@@ -10,7 +10,9 @@ pytestmark = pytest.mark.unit
 
 
 def run(val, train, step_s=1.0):
-    return {"val": dict(val), "train": dict(train), "step_s": {s: step_s for s in train}}
+    # every validation adds 0.5 s to its step's all-included time
+    return {"val": dict(val), "train": dict(train), "step_s": {s: step_s for s in train},
+            "all_s": {s: step_s * (s in train) + 0.5 * (s in val) for s in set(train) | set(val)}}
 
 
 BASELINE = [run({0: 0.30, 4: 0.50, 8: 0.60}, {1: 0.3, 2: 0.4}, 1.0),
@@ -37,6 +39,8 @@ def test_arm_summaries_and_steps_to_the_baseline_best():
     assert base["start_val"]["min"] == 0.30 and base["start_val"]["max"] == 0.32
     assert base["steps_to_target"] == 8
     assert base["step_s"]["mean"] == pytest.approx(1.5)
+    # per training step (2 of them): 2 x step_s + 3 validations x 0.5 s
+    assert base["all_s"]["values"] == pytest.approx([(2 * 1.0 + 1.5) / 2, (2 * 2.0 + 1.5) / 2])
     rlep = summarise_arm(RLEP, base["best_mean_val"])
     # mean curve 0.31, 0.59, 0.56: first reaches 0.58 at step 4
     assert rlep["steps_to_target"] == 4
@@ -53,6 +57,8 @@ def test_table_and_plot(tmp_path):
     assert "steps to the baseline's best mean (58.0%)" in table
     lines = {line.split("  ")[0]: line for line in table.splitlines()}
     assert lines["steps to the baseline's best mean (58.0%)"].split()[-2:] == ["8", "4"]
+    assert lines["training step alone (s)"].split()[-2:] == ["1.50", "1.00"]
+    assert lines["per step with validation and checkpoints (s)"].split()[-2:] == ["2.25", "1.75"]
     plot_comparison(json.loads(json.dumps(summary)), str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 0
 
@@ -62,12 +68,14 @@ def test_read_curves_from_metrics(tmp_path):
     entries = [{"step": 0, "val/a/mean@8": 0.2, "val/b/mean@8": 0.4},
                {"step": 1, "rollout/acc_mean": 0.5, "timing/step_s": 1.5},
                {"step": 2, "rollout/acc_mean": 0.7, "timing/step_s": 2.5, "val/a/mean@8": 0.6,
-                "val/b/mean@8": 0.8, "val/a/pass@8": 1.0}]
+                "val/b/mean@8": 0.8, "val/a/pass@8": 1.0, "timing/validate_s": 0.25,
+                "timing/checkpoint_s": 0.125}]
     path.write_text("".join(json.dumps(e) + "\n" for e in entries))
     curves = read_curves(str(path))
     assert curves["val"] == pytest.approx({0: 0.3, 2: 0.7})
     assert curves["train"] == {1: 0.5, 2: 0.7}
     assert curves["step_s"] == {1: 1.5, 2: 2.5}
+    assert curves["all_s"] == {0: 0.0, 1: 1.5, 2: 2.875}
 
 
 def test_a_demo_directory_from_other_settings_is_refused(tmp_path):
@@ -75,14 +83,16 @@ def test_a_demo_directory_from_other_settings_is_refused(tmp_path):
 
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    _check_settings(str(fresh))  # empty: the settings are recorded
-    _check_settings(str(fresh))  # same settings: continued
+    _check_settings(str(fresh), 0)  # empty: the settings are recorded
+    _check_settings(str(fresh), 0)  # same settings: continued
     assert (fresh / SETTINGS_FILE).is_file()
+    with pytest.raises(FileExistsError, match="--warm-start-seed"):
+        _check_settings(str(fresh), 1)
     old = tmp_path / "old"
     (old / "model").mkdir(parents=True)  # an older demo's directory has no settings file
     with pytest.raises(FileExistsError, match="other settings"):
-        _check_settings(str(old))
+        _check_settings(str(old), 0)
     (fresh / SETTINGS_FILE).write_text(json.dumps({"task": {"kind": "max"}}))
     with pytest.raises(FileExistsError, match="remove it or give another --out-dir"):
-        _check_settings(str(fresh))
+        _check_settings(str(fresh), 0)
     assert len(list(old.iterdir())) == 1  # nothing written or removed

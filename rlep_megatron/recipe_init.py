@@ -1,0 +1,140 @@
+"""``rlep init``: a recipe for your own model and data, made from the shipped templates.
+
+The template follows the hardware: ``examples/one_gpu.yaml`` for one GPU,
+``examples/one_node.yaml`` for one node of several GPUs, the paper's 64-GPU recipes
+(``examples/dapo_nodyn_bs64.yaml``, ``examples/rlep.yaml`` with a pool) for several nodes. Into
+it go the model directory, the data files, the output directory and (with ``--pool``) RLEP's
+M = 2 replays; tensor parallelism is lowered until it divides the model's attention and
+key/value heads and the GPUs of a node, and the response budget is cut to the model's context.
+The result is checked like ``rlep config`` before it is written, and an existing file is never
+overwritten without ``--force``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import yaml
+
+from rlep_megatron.checkpoint.staging import write_file_atomic
+
+
+def template_name(gpus: int, nodes: int, pool: bool) -> str:
+    if gpus < 1 or nodes < 1:
+        raise ValueError(f"--gpus and --nodes must be >= 1, got {gpus} and {nodes}")
+    if gpus * nodes == 1:
+        return "one_gpu.yaml"
+    if nodes == 1:
+        return "one_node.yaml"
+    return "rlep.yaml" if pool else "dapo_nodyn_bs64.yaml"
+
+
+def _largest_divisor(start: int, *numbers: Optional[int]) -> int:
+    """The largest d <= start that divides every given number."""
+    for d in range(max(1, start), 0, -1):
+        if all(not n or n % d == 0 for n in numbers):
+            return d
+    return 1
+
+
+def _model_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{model_dir!r} is not an HF model directory (no config.json)")
+    with open(path) as f:
+        hf = json.load(f)
+    from rlep_megatron.checkpoint import architecture_for
+
+    architecture_for(hf)  # a supported family, or a clear error naming the supported ones
+    return hf
+
+
+def make_recipe(model_dir: str, train_files: list[str], val_files: list[str], gpus: int = 1,
+                nodes: int = 1, pool: str = "", output_dir: str = "") -> tuple[dict, str, list[str]]:
+    """``(recipe as a dict, template file name, notes on what was adapted)``."""
+    from rlep_megatron.demo import examples_dir
+
+    hf = _model_config(model_dir)
+    name = template_name(gpus, nodes, bool(pool))
+    with open(os.path.join(examples_dir(), name)) as f:
+        raw = yaml.safe_load(f)
+    notes: list[str] = []
+    raw["model"]["hf_dir"] = model_dir
+    raw["model"]["mcore_dir"] = ""
+    raw["data"]["train_files"] = list(train_files)
+    raw["data"]["val_files"] = list(val_files)
+    raw["trainer"]["output_dir"] = output_dir or raw["trainer"]["output_dir"]
+    raw["replay"]["num_replays_per_prompt"] = 2 if pool else 0
+    raw["replay"]["pool_files"] = [pool] if pool else []
+    raw.setdefault("collect", {})["output_file"] = ""  # <output_dir>/pool.parquet
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads", heads)
+    for section in ("parallel", "rollout"):
+        want = raw[section]["tensor_model_parallel_size"]
+        tp = _largest_divisor(min(want, gpus), heads, kv_heads, gpus)
+        if tp != want:
+            notes.append(f"{section}.tensor_model_parallel_size {want} -> {tp} (divides the "
+                         f"{heads} attention heads, {kv_heads} key/value heads and {gpus} GPUs "
+                         f"per node)")
+        raw[section]["tensor_model_parallel_size"] = tp
+    world = gpus * nodes
+    model_parallel = (raw["parallel"]["tensor_model_parallel_size"]
+                      * raw["parallel"].get("pipeline_model_parallel_size", 1))
+    if world % model_parallel:
+        raw["parallel"]["pipeline_model_parallel_size"] = 1
+        notes.append("parallel.pipeline_model_parallel_size -> 1 (the template's did not fit "
+                     f"{world} GPUs)")
+    positions = hf.get("max_position_embeddings")
+    prompt, response = raw["data"]["max_prompt_tokens"], raw["rollout"]["max_response_tokens"]
+    if isinstance(positions, int) and prompt + response > positions:
+        prompt = min(prompt, positions // 4)
+        raw["data"]["max_prompt_tokens"] = prompt
+        raw["rollout"]["max_response_tokens"] = positions - prompt
+        notes.append(f"data.max_prompt_tokens {prompt}, rollout.max_response_tokens "
+                     f"{positions - prompt}: the model's context is {positions} tokens")
+    return raw, name, notes
+
+
+def launch_command(recipe: str, gpus: int, nodes: int) -> str:
+    if gpus * nodes == 1:
+        return f"rlep train --config {recipe}"
+    if nodes == 1:
+        return f"scripts/train_local.sh {gpus} {recipe}"
+    return (f"NNODES={nodes} NODE_RANK=<this node> MASTER_ADDR=<node 0> "
+            f"GPUS_PER_NODE={gpus} scripts/train_multinode.sh {recipe}")
+
+
+def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: list[str],
+                 gpus: int = 1, nodes: int = 1, pool: str = "", output_dir: str = "",
+                 force: bool = False) -> dict:
+    """Make, check (as ``rlep config`` does) and write the recipe; returns it."""
+    from rlep_megatron.checks import check_run_config
+    from rlep_megatron.config import config_from_dict
+
+    if os.path.exists(path) and not force:
+        raise FileExistsError(f"{path} exists; give another path or --force to replace it")
+    if not train_files:
+        raise ValueError("give at least one training file (--train)")
+    raw, name, notes = make_recipe(model_dir, train_files, val_files, gpus, nodes, pool,
+                                   output_dir)
+    cfg = config_from_dict(raw)
+    saved = os.environ.pop("WORLD_SIZE", None)  # checked for the recipe's own world size
+    try:
+        check_run_config(cfg, "config")
+    finally:
+        if saved is not None:
+            os.environ["WORLD_SIZE"] = saved
+    header = [f"# Made by `rlep init` from examples/{name} for {gpus * nodes} GPU(s) "
+              f"({nodes} node(s) x {gpus}).",
+              "# Every key: docs/CONFIG.md (`rlep config --reference`). Check before launch: "
+              f"`rlep config --config {path}`.",
+              f"# Launch: {launch_command(path, gpus, nodes)}"]
+    header += [f"# adapted: {note}" for note in notes]
+    text = "\n".join(header) + "\n" + yaml.safe_dump(raw, sort_keys=False)
+    write_file_atomic(path, text)
+    for note in notes:
+        print(f"adapted: {note}")
+    print(f"wrote {path} (from examples/{name})\nnext: rlep config --config {path}\n"
+          f"then: {launch_command(path, gpus, nodes)}")
+    return raw

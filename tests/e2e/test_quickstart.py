@@ -1,0 +1,80 @@
+"""README.md's "Your own model and data", followed on CPU: a model made with ``transformers``
+(not this project's tiny-model tool), a JSONL dataset with its own column names ->
+``tools/prepare_data.py`` -> ``rlep init`` -> ``rlep config`` -> 2 training steps -> ``rlep eval``
+of the run's newest checkpoint."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from rlep_megatron.data.schema import read_prompt_file
+from tests.e2e.helpers import read_jsonl, run_rlep
+from tests.torchrun import REPO_ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def transformers_llama(directory: str, tokenizer_dir: str) -> str:
+    """A small Llama built and saved by ``transformers`` itself, with a byte-level tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         pad_token_id=256, eos_token_id=258, bos_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(tokenizer_dir, name), directory)
+    return directory
+
+
+def test_own_model_and_jsonl_data_through_prepare_init_train_eval(tiny_qwen2_dir, tmp_path):
+    model = transformers_llama(str(tmp_path / "my-model"), tiny_qwen2_dir)
+    records = [{"task": f"What is {a} + {b}?", "solution": str(a + b)}
+               for a, b in [(1, 2), (3, 4), (5, 1), (2, 2), (6, 3), (4, 4)]]
+    files = {}
+    for split, part in (("train", records[:4]), ("val", records[4:])):
+        src = tmp_path / f"{split}.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in part))
+        files[split] = str(tmp_path / f"{split}.parquet")
+        proc = subprocess.run([sys.executable, "tools/prepare_data.py", "--input", str(src),
+                               "--output", files[split], "--data-source", "math_dapo",
+                               "--question-key", "task", "--answer-key", "solution"],
+                              cwd=REPO_ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    assert read_prompt_file(files["val"]).ground_truth == ["9", "8"]
+
+    recipe, out = str(tmp_path / "my_recipe.yaml"), str(tmp_path / "run")
+    init = run_rlep(["init", recipe, "--model", model, "--train", files["train"], "--val",
+                     files["val"], "--output-dir", out])
+    assert "from examples/one_gpu.yaml" in init.stdout and "rlep train --config" in init.stdout
+    # the model's 1024 positions cut the one-GPU template's 1024 + 3072 token budget
+    assert "the model's context is 1024 tokens" in init.stdout
+    run_rlep(["config", "--config", recipe])
+    # the one-GPU recipe, scaled down for 2 CPU cores (a user on a GPU runs it as written)
+    cpu = ["trainer.device=cpu", "model.params_dtype=float32", "data.train_batch_size=2",
+           "rollout.num_samples_per_prompt=2", "rollout.max_response_tokens=16",
+           "reward.overlong_buffer_tokens=4", "reward.num_workers=1",
+           "trainer.mini_batch_size=2", "trainer.micro_batch_max_tokens=2048",
+           "trainer.total_steps=2", "trainer.validation_interval_steps=2",
+           "eval.num_samples_per_prompt=2", "checkpoint.save_interval_steps=2",
+           "optim.lr_warmup_steps=0"]
+    run_rlep(["train", "--config", recipe, *cpu])
+    records = read_jsonl(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all("val/math_dapo/mean@2" in r for r in (records[0], records[2]))
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step_00000002"))
+
+    report_file = str(tmp_path / "eval.json")
+    result = run_rlep(["eval", "--config", recipe, *cpu, f"eval.checkpoint={out}",
+                       f"eval.output_file={report_file}"])
+    report = json.load(open(report_file))
+    # the run directory stands for its newest checkpoint
+    assert report["checkpoint"] == os.path.join(out, "checkpoints", "step_00000002")
+    assert report["report"]["math_dapo"]["num_questions"] == 2
+    assert "math_dapo" in result.stdout
