@@ -126,7 +126,7 @@ def _throughput(batch: StepBatch, timings: dict[str, float]) -> dict[str, float]
     return out
 
 
-# the replay keys a run with M = 0 still writes (docs/DESIGN.md's metric contract)
+# the replay keys a run with M = 0 still writes (every run's keys, README.md "Metrics")
 REPLAY_KEYS_WITHOUT_REPLAY = ("replay/fraction", "replay/num_sequences", "replay/reward_mean")
 
 
