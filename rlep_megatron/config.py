@@ -239,15 +239,17 @@ class AlgoConfig:
     the weights are in CPU memory anyway). On by default: a second copy of the weights on
     the GPU takes what the rollout's KV cache needs (a 7B KL run without it is at or over an
     80 GB GPU); false trades that memory for two host-device copies per step."""
-    rollout_correction: Literal["off", "truncate", "mask"] = "off"
+    rollout_correction: Literal["off", "truncate", "mask", "reject"] = "off"
     """Correct for the rollout engine / actor probability gap on fresh tokens
     (:mod:`rlep_megatron.algo.correction`), rho = pi_old / pi_rollout: ``truncate`` weights
     each token's loss by min(rho, C) (truncated importance sampling, Yao et al. 2025, "Your
-    efficient RL framework secretly brings you off-policy RL training"); ``mask`` drops tokens
-    or sequences whose rho is outside [1/C, C] (masked importance sampling, Liu et al. 2025,
-    "When speed kills stability"; verl's rollout correction offers both). Replays have no
-    engine log-probs and are never corrected. Off: the metrics ``rollout/mismatch_kl_*``
-    still measure the gap."""
+    efficient RL framework secretly brings you off-policy RL training"); ``mask`` keeps the
+    weight rho on tokens or sequences whose rho is inside [1/C, C] and drops the others from
+    the loss and its token count (masked importance sampling, Liu et al. 2025, "When speed
+    kills stability"; verl's rollout correction); ``reject`` only rejects (weight 1 inside,
+    0 outside, rejected tokens still counted in the normaliser). Replays have no engine
+    log-probs and are never corrected. Off: the metrics ``rollout/mismatch_kl_*`` still
+    measure the gap."""
     rollout_correction_level: Literal["token", "sequence", "geometric"] = "token"
     """Where rho is taken: per ``token``, per ``sequence`` (the product over its tokens, the
     exact sequence-level ratio) or the sequence's ``geometric`` mean (stays near 1 for long
@@ -260,6 +262,10 @@ class AlgoConfig:
     """Official DAPO dynamic sampling: keep groups whose accuracy std > 0."""
     max_generation_rounds: int = 10
     """Generation rounds allowed per step with dynamic sampling."""
+    dynamic_sampling_partial_batch: bool = False
+    """When the generation rounds run out before a full batch of groups with signal is kept:
+    false stops the run with an error, as the DAPO reference does; true trains on the groups
+    kept so far (at least one)."""
 
     def __post_init__(self):
         if not 0 <= self.clip_ratio_low < 1:

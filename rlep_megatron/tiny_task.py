@@ -221,10 +221,15 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3
         loss_value = float(loss.detach())
     model.eval()
     accuracy = float("nan")
+    # decode as far as the longest reference solution (and its EOS) plus a margin: a fixed
+    # budget shorter than the task's solutions would score every answer as wrong
+    budget = max(len(r) for _, r in encoded) + 8
     if eval_parquet:
-        accuracy = greedy_accuracy(model, tokenizer, eval_parquet, eval_questions)
+        accuracy = greedy_accuracy(model, tokenizer, eval_parquet, eval_questions,
+                                   max_new_tokens=budget)
     result = {"loss": loss_value, "accuracy": accuracy}
     record = {"pretrain_steps": steps, "lr": lr, "batch_size": batch_size, "seed": seed,
+              "greedy_max_new_tokens": budget,
               "solutions": os.path.relpath(solutions_path, model_dir),  # from the model's dir
               **result, **(extra_record or {})}
     with staged_output(model_dir, replace_existing=True) as staging:
@@ -242,7 +247,8 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3
 
 def greedy_accuracy(model, tokenizer, parquet: str, limit: int = 64,
                     max_new_tokens: int = 24) -> float:
-    """Fraction of the first ``limit`` questions answered correctly with greedy decoding."""
+    """Fraction of the first ``limit`` questions answered correctly with greedy decoding of at
+    most ``max_new_tokens`` (:func:`warm_start` passes its corpus' longest solution + 8)."""
     import torch
 
     from rlep_megatron.data.schema import read_prompt_file

@@ -385,9 +385,15 @@ class Trainer:
                     for s in members:
                         s.group = new_group
                         kept.sequences.append(s)
-        if not kept.rows:
-            raise RuntimeError(f"dynamic sampling kept no group in {rounds} rounds: every group "
-                               "was all-correct or all-wrong")
+        partial_ok = bool(kept.rows) and self.cfg.algo.dynamic_sampling_partial_batch
+        if len(kept.rows) < want and not partial_ok:
+            # the DAPO reference stops here too (its "too many generation batches" error)
+            allow = ("" if not kept.rows else
+                     ", or algo.dynamic_sampling_partial_batch=true to train on them")
+            raise RuntimeError(
+                f"dynamic sampling kept {len(kept.rows)} of {want} groups in {rounds} rounds "
+                f"(algo.max_generation_rounds); every other group was all-correct or all-wrong. "
+                f"Raise algo.max_generation_rounds{allow}")
         kept.generation_rounds = rounds
         return kept
 
@@ -412,7 +418,7 @@ class Trainer:
         the reference's, with a KL term), plus this slice's sums and maxima for the step's
         metrics (reduced over DP ranks by :meth:`old_logprob`)."""
         from rlep_megatron.actor.train_step import TrainBatch
-        from rlep_megatron.algo import mismatch_kl, rollout_correction_weights
+        from rlep_megatron.algo import mismatch_kl, rollout_correction_weights, rollout_loss_mask
         from rlep_megatron.rollout.parity import actor_logprobs, logprob_abs_diff
 
         algo = self.cfg.algo
@@ -479,7 +485,8 @@ class Trainer:
         train = TrainBatch(ids, mask, old, torch.tensor([s.advantage for s in seqs]), is_replay,
                            ref_logp=ref,
                            token_weights=(weights.float() if algo.rollout_correction != "off"
-                                          else None))
+                                          else None),
+                           loss_mask=rollout_loss_mask(algo.rollout_correction, changed))
         return train, sums, maxima
 
     def old_logprob(self, batch: StepBatch, plan: list[list[int]]):

@@ -44,6 +44,17 @@ class TrainBatch:
     token_weights: Optional[torch.Tensor] = None
     """``[n, seq]`` constant weights of each token's policy loss (only with a rollout
     correction)."""
+    loss_mask: Optional[torch.Tensor] = None
+    """``[n, seq]`` 0 on response tokens left out of the loss and of its normaliser (the
+    ``mask`` rollout correction's dropped tokens); ``None``: every response token. The
+    micro-batch layout follows ``response_mask`` alone, so it is the same on every pipeline
+    stage whatever this holds."""
+
+    def trained_mask(self) -> torch.Tensor:
+        """``response_mask`` without the tokens ``loss_mask`` drops."""
+        if self.loss_mask is None:
+            return self.response_mask
+        return self.response_mask * self.loss_mask.to(self.response_mask.dtype)
 
     def lengths(self) -> torch.Tensor:
         """``[n]`` columns each row needs: through its last trained token; at least 2 (one
@@ -79,15 +90,15 @@ def global_counts(batch: TrainBatch, token_slots: int) -> dict[str, float]:
     from megatron.core import parallel_state as ps
 
     return distributed.reduce_values(
-        {"tokens": float(batch.response_mask.sum()),
-         "sequences": float((batch.response_mask.sum(dim=1) > 0).sum()),
+        {"tokens": float(batch.trained_mask().sum()),
+         "sequences": float((batch.trained_mask().sum(dim=1) > 0).sum()),
          "real_tokens": float(batch.lengths().sum()), "token_slots": float(token_slots)},
         "sum", ps.get_data_parallel_group())
 
 
 def _loss_inputs(batch: TrainBatch, index: torch.Tensor, width: int) -> dict:
     """The loss's inputs of rows ``index``, cut to ``width`` columns."""
-    out = {"response_mask": batch.response_mask[index, :width].float(),
+    out = {"response_mask": batch.trained_mask()[index, :width].float(),
            "old_logp": batch.old_logp[index, :width].float(),
            "advantages": batch.advantages[index].float(),
            "is_replay": batch.is_replay[index]}

@@ -12,9 +12,12 @@ Weights, constant in the loss (no gradient), multiplying each token's policy los
 
 * ``truncate``: ``w = min(rho, C)`` -- truncated importance sampling (TIS; Yao et al., "Your
   efficient RL framework secretly brings you off-policy RL training", 2025).
-* ``mask``: ``w = 1`` when ``1/C <= rho <= C``, else 0 -- the token or sequence is dropped
-  from the update (masked importance sampling; Liu et al., "When speed kills stability", 2025;
-  verl's rollout correction).
+* ``mask``: masked importance sampling (Liu et al., "When speed kills stability", 2025; verl's
+  rollout correction): a token (or sequence) whose ``rho`` lies inside ``[1/C, C]`` keeps the
+  importance weight ``w = rho``; outside, it is dropped, from the loss and from the token
+  count that normalises it (the caller removes it from the loss mask: :func:`rollout_loss_mask`).
+* ``reject``: rejection only: ``w = 1`` inside ``[1/C, C]``, else 0, and a rejected token still
+  counts in the normaliser (so rejection also shrinks the step).
 
 and the ratio ``rho`` is taken per ``token``, per ``sequence`` (``exp(sum_t log rho_t)``) or as
 the sequence's ``geometric`` mean (``exp(mean_t log rho_t)``), which stays near 1 for long
@@ -27,10 +30,11 @@ Pure tensors, float64 inside.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
-CORRECTION_MODES = ("off", "truncate", "mask")
+CORRECTION_MODES = ("off", "truncate", "mask", "reject")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
 
@@ -61,8 +65,8 @@ def rollout_correction_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
 
     Returns:
         ``(weights, changed)``: ``[n, seq]`` float64 weights (1 wherever ``rollout_mask`` is 0
-        or ``mode`` is ``off``), and a bool mask of the rollout tokens whose weight was
-        truncated or masked.
+        or ``mode`` is ``off``; 0 on dropped tokens), and a bool mask of the rollout tokens
+        whose weight was truncated, masked or rejected.
     """
     if mode not in CORRECTION_MODES:
         raise ValueError(f"rollout correction mode must be one of {CORRECTION_MODES}, "
@@ -80,10 +84,20 @@ def rollout_correction_weights(old_logp: torch.Tensor, rollout_logp: torch.Tenso
         changed = level_log_rho > log_c
     else:
         kept = level_log_rho.abs() <= log_c
-        weights = kept.to(torch.float64)
+        inside = torch.exp(level_log_rho) if mode == "mask" else torch.ones_like(level_log_rho)
+        weights = torch.where(kept, inside, torch.zeros_like(inside))
         changed = ~kept
     on = mask > 0
     return torch.where(on, weights, torch.ones_like(weights)), changed & on
+
+
+def rollout_loss_mask(mode: str, changed: torch.Tensor) -> Optional[torch.Tensor]:
+    """With ``mask`` (masked importance sampling): ``[n, seq]`` 1 except 0 on the dropped tokens,
+    to multiply into the loss mask so that they leave the normaliser too; ``None`` for the
+    other modes (their normaliser is every response token)."""
+    if mode != "mask":
+        return None
+    return (~changed).to(torch.float32)
 
 
 def mismatch_kl(old_logp: torch.Tensor, rollout_logp: torch.Tensor,

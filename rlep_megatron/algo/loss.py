@@ -42,6 +42,8 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str,
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# k3's exp(-log r) overflows fp32 for log r < -88: the log-ratio is clamped first (verl's bound)
+K3_LOG_RATIO_BOUND = 20.0
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3",
@@ -49,10 +51,16 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
     divergence", 2020; the k1/k2/k3 of verl, OpenRLHF and NeMo-RL).
 
-    k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r, with log r = logp - ref_logp.
-    k1 and k3 are unbiased; k2 and k3 are non-negative; the gradients with respect to logp are
-    1, log r and 1 - exp(-log r). ``clamp`` bounds each token's value to [-clamp, clamp] (its
-    gradient is then 0): one token whose reference probability is tiny cannot dominate.
+    With log r = logp - ref_logp: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r.
+
+    Values: k1 and k3 are unbiased estimates of KL(pi || pi_ref) (k2 is biased); k2 and k3 are
+    non-negative. Gradients, as a loss term with the samples held fixed: d/d logp is 1, log r
+    and 1 - exp(-log r), so the expected gradient of k1 is zero (E_pi[grad log pi] = 0), k2's
+    is the gradient of KL(pi || pi_ref), and k3's is the gradient of KL(pi_ref || pi), the
+    other direction. For k3 the log-ratio is first clamped to +-20 (``K3_LOG_RATIO_BOUND``;
+    beyond it the gradient is 0), so that neither exp(-log r) nor its gradient overflows in
+    fp32 or bf16. ``clamp`` bounds each token's value to [-clamp, clamp] (its gradient is then
+    0): one token whose reference probability is tiny cannot dominate.
     """
     log_ratio = logp - ref_logp
     if estimator == "k1":
@@ -60,7 +68,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     elif estimator == "k2":
         value = 0.5 * log_ratio.pow(2)
     elif estimator == "k3":
-        value = torch.exp(-log_ratio) - 1.0 + log_ratio
+        bounded = torch.clamp(log_ratio, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+        value = torch.exp(-bounded) - 1.0 + bounded
     else:
         raise ValueError(f"kl estimator must be one of {', '.join(KL_ESTIMATORS)}; "
                          f"got {estimator!r}")

@@ -123,3 +123,22 @@ def test_bf16_trains_resumes_and_its_gap_is_measured_and_corrected(tiny_qwen2_di
         assert entry["rollout/correction_weight_max"] == pytest.approx(threshold, rel=1e-6)
         assert entry["rollout/correction_weight_min"] < 1
     assert straight[1]["train/grad_norm"] > 0
+    # the weights reach the loss: the same first step (same rollouts) without a correction,
+    # and with masked importance sampling (rejected tokens leave the loss and its count)
+    plain = ["model.params_dtype=bfloat16", "parallel.tensor_model_parallel_size=2"]
+    off = train(tiny_qwen2_dir, task, pool, tmp_path / "off", 1, *plain)[0]
+    mis = train(tiny_qwen2_dir, task, pool, tmp_path / "mis", 1, *plain,
+                "algo.rollout_correction=mask", f"algo.rollout_correction_threshold={threshold}")[0]
+    first = straight[0]
+    assert off["rollout/logprob_abs_diff"] == first["rollout/logprob_abs_diff"]  # same rollouts
+    assert off["train/pg_loss"] != first["train/pg_loss"]
+    assert off["train/grad_norm"] != first["train/grad_norm"]
+    assert 0 < mis["rollout/correction_token_frac"] < 1
+    # trained tokens (a mean per optimizer step): every fresh token that was not rejected,
+    # plus the replays' tokens
+    rejected = mis["rollout/correction_token_frac"] * mis["rollout/logprob_compared_tokens"]
+    steps = mis["train/num_optimizer_steps"]
+    assert steps == off["train/num_optimizer_steps"]
+    assert mis["train/num_tokens"] * steps == pytest.approx(
+        off["train/num_tokens"] * steps - rejected, abs=0.5)
+    assert mis["train/pg_loss"] != off["train/pg_loss"]

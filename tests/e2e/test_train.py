@@ -96,7 +96,8 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
     Sequence packing on, with the token-balanced split over the DP ranks."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "rollout.tensor_model_parallel_size=2", "trainer.mini_batch_unit=sequences",
-              "trainer.mini_batch_size=23", "trainer.sequence_packing=true"]
+              "trainer.mini_batch_size=23", "trainer.sequence_packing=true",
+              "optim.lr_warmup_steps=3", "optim.lr_warmup_unit=training_steps"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(straight), steps=4), *common], nproc=2)
@@ -115,6 +116,10 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
     # the steps really trained (the comparison is not between two idle runs)
     assert a[4]["train/grad_norm"] > 0 and a[3]["replay/num_sequences"] > 0
     assert all(e["train/num_optimizer_steps"] == 2 for e in a[1:])
+    # the trainer's warm-up counter, as the reference's scheduler: training step s (from 1)
+    # runs at lr x (s - 1) / 3, the first at 0, across the resume too
+    assert [e["train/lr"] for e in a[1:]] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3],
+                                                           rel=1e-12, abs=0)
     # packed micro-batches feed no padding; the phases report their throughput
     assert all(e["train/padding_frac"] == 0.0 for e in a[1:])
     assert all(e["timing/train_tokens_per_s"] > 0 for e in a[1:])
@@ -139,4 +144,4 @@ def test_dynamic_sampling_keeps_whole_groups_with_signal(tiny_qwen2_dir, task, p
                        "algo.dynamic_sampling=true", "algo.max_generation_rounds=2",
                        "trainer.validation_interval_steps=0"], check=False)
     assert failed.returncode != 0
-    assert "dynamic sampling kept no group in 2 rounds" in failed.stdout + failed.stderr
+    assert "dynamic sampling kept 0 of 4 groups in 2 rounds" in failed.stdout + failed.stderr

@@ -120,7 +120,7 @@ def test_kl_is_zero_when_the_policy_is_the_reference():
 def reference_weights(old, rollout, mask, mode, level, c):
     """Weights per token from the definitions: rho = pi_old / pi_rollout per token, the
     product of a sequence's rhos, or their geometric mean; truncate = min(rho, C), mask =
-    1 inside [1/C, C] and 0 outside. Python floats."""
+    rho (mask) or 1 (reject) inside [1/C, C] and 0 outside. Python floats."""
     weights = np.ones_like(old)
     changed = np.zeros(old.shape, dtype=bool)
     for i in range(old.shape[0]):
@@ -138,12 +138,13 @@ def reference_weights(old, rollout, mask, mode, level, c):
                 changed[i, j] = rho > c
             else:
                 keep = 1.0 / c <= rho <= c
-                weights[i, j] = 1.0 if keep else 0.0
+                # mask: importance weight rho on kept tokens; reject: weight 1
+                weights[i, j] = (rho if mode == "mask" else 1.0) if keep else 0.0
                 changed[i, j] = not keep
     return weights, changed
 
 
-@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("mode", ["truncate", "mask", "reject"])
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("seed", range(3))
 def test_correction_weights_match_their_definitions(mode, level, seed):
@@ -167,13 +168,14 @@ def test_sequence_ratio_of_a_long_response_does_not_overflow():
                                                   2.0)
     assert torch.equal(weights, torch.full_like(weights, 2.0)) and changed.all()
     weights, _ = rollout_correction_weights(old, rollout, mask, "mask", "geometric", 2.0)
-    assert torch.equal(weights, torch.ones_like(weights))  # geometric mean e^0.5 < 2
+    # geometric mean e^0.5 < 2: kept, with its importance weight
+    assert torch.allclose(weights, torch.full_like(weights, math.exp(0.5)), rtol=1e-12)
 
 
 def test_off_and_identical_numerics_leave_the_update_unchanged():
     logp, _, adv, mask = ragged(7)
     old = logp + 0.05
-    for mode in ("off", "truncate", "mask"):
+    for mode in ("off", "truncate", "mask", "reject"):
         weights, changed = rollout_correction_weights(t(old), t(old), t(mask), mode)
         assert torch.equal(weights, torch.ones_like(weights)) and not changed.any()
     a = t(logp).requires_grad_()
@@ -273,3 +275,71 @@ def test_a_bare_off_in_yaml_means_off(tmp_path):
     path.write_text("algo:\n  rollout_correction: off\n")
     assert load_config(str(path)).algo.rollout_correction == "off"
     assert load_config(None, ["algo.rollout_correction=off"]).algo.rollout_correction == "off"
+
+
+def test_masked_importance_sampling_drops_rejected_tokens_from_the_normaliser():
+    """``mask`` (verl's MIS): kept tokens weighted by rho, rejected tokens out of the loss and
+    of the token count; ``reject`` keeps them in the count with weight 0."""
+    from rlep_megatron.algo import rollout_loss_mask
+
+    logp, old, adv, mask = ragged(11, spread=0.5)
+    rollout = old + np.random.default_rng(2).normal(0, 0.6, size=old.shape)
+    c = 1.4
+    results = {}
+    for mode in ("mask", "reject"):
+        weights, changed = rollout_correction_weights(t(old), t(rollout), t(mask), mode,
+                                                      "token", c)
+        keep = rollout_loss_mask(mode, changed)
+        loss_mask = t(mask) * (keep.double() if keep is not None else 1.0)
+        x = t(logp).requires_grad_()
+        loss, metrics = policy_loss(x, t(old), t(adv), loss_mask, token_weights=weights)
+        loss.backward()
+        results[mode] = (loss.item(), x.grad.clone(), metrics["num_tokens"])
+    assert rollout_loss_mask("reject", changed) is None
+    kept = [(i, j) for i, j in zip(*np.nonzero(mask))
+            if 1 / c <= math.exp(old[i, j] - rollout[i, j]) <= c]
+    assert 0 < len(kept) < mask.sum()
+    eps_low, eps_high, clip_c = 0.2, 0.28, 10.0
+    expected = {"mask": 0.0, "reject": 0.0}
+    for i, j in kept:
+        rho = math.exp(old[i, j] - rollout[i, j])
+        ratio = math.exp(logp[i, j] - old[i, j])
+        a = adv[i]
+        token = max(-a * ratio, -a * min(max(ratio, 1 - eps_low), 1 + eps_high))
+        if a < 0:
+            token = min(token, -a * clip_c)
+        expected["mask"] += rho * token / len(kept)  # normaliser: kept tokens only
+        expected["reject"] += token / mask.sum()  # normaliser: every response token
+    assert results["mask"][0] == pytest.approx(expected["mask"], rel=1e-12)
+    assert results["reject"][0] == pytest.approx(expected["reject"], rel=1e-12)
+    assert results["mask"][2] == len(kept) and results["reject"][2] == mask.sum()
+    for mode in ("mask", "reject"):  # no gradient through a dropped token
+        grad = results[mode][1].numpy()
+        dropped = [(i, j) for i, j in zip(*np.nonzero(mask)) if (i, j) not in kept]
+        assert all(grad[i, j] == 0.0 for i, j in dropped)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_terms_stay_finite_at_large_log_ratios(dtype, estimator):
+    """|log r| up to 100 in fp32 and bf16: finite values and gradients (k3 clamps the
+    log-ratio at +-20 before exp; inside that bound it is the exact formula)."""
+    from rlep_megatron.algo import kl_penalty
+
+    log_ratios = torch.tensor([-100.0, -60.0, -20.0, -1.0, 0.0, 1.0, 20.0, 60.0, 100.0])
+    logp = (log_ratios - 5.0).to(dtype).requires_grad_()
+    ref = torch.full_like(log_ratios, -5.0).to(dtype)
+    value = kl_penalty(logp, ref, estimator)
+    value.sum().backward()
+    assert torch.isfinite(value).all() and torch.isfinite(logp.grad).all(), (value, logp.grad)
+    if estimator == "k3":
+        inside = log_ratios.abs() <= 20
+        exact = torch.exp(-log_ratios[inside].double()) - 1 + log_ratios[inside].double()
+        assert torch.allclose(value[inside].double(), exact,
+                              rtol=1e-5 if dtype == torch.float32 else 2e-2)
+        assert (logp.grad[~inside] == 0).all()
+        # with kl_clamp on top (the setting that used to give a NaN gradient)
+        logp.grad = None
+        clamped = kl_penalty(logp, ref, estimator, clamp=10.0)
+        clamped.sum().backward()
+        assert torch.isfinite(logp.grad).all()

@@ -1,6 +1,7 @@
 """The tiny tasks' files: questions, ground truths and the warm-start corpus (correct solution
 plus the asked number of slipped ones), checked with the reward rule and plain arithmetic."""
 import json
+import os
 import re
 from collections import defaultdict
 
@@ -65,3 +66,34 @@ def test_bad_arguments():
         make_tiny_task("unused", num_train=8, num_val=1, max_operand=1)
     with pytest.raises(ValueError, match="num_slips"):
         make_tiny_task("unused", num_slips_hard=-1)
+
+
+def test_warm_start_accuracy_decodes_as_far_as_the_longest_solution(tmp_path, tiny_qwen2_dir,
+                                                                    monkeypatch):
+    """Solutions longer than a fixed decoding budget would all be scored wrong: the greedy
+    accuracy decodes the corpus' longest solution (and its EOS) at least."""
+    import shutil
+
+    from rlep_megatron import tiny_task
+
+    model = str(tmp_path / "model")
+    shutil.copytree(tiny_qwen2_dir, model)
+    task = tiny_task.make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
+    long_solution = "First write the sum out in words, then in digits: 2 + 3 = 5\nAnswer: 5"
+    solutions = tmp_path / "long.jsonl"
+    solutions.write_text(json.dumps({"question": "Compute 2 + 3.", "solution": long_solution})
+                         + "\n")
+    seen = {}
+
+    def fake_accuracy(model, tokenizer, parquet, limit=64, max_new_tokens=24):
+        seen["budget"] = max_new_tokens
+        seen["needed"] = len(tokenizer(long_solution, add_special_tokens=False)["input_ids"]) + 1
+        return 0.5
+
+    monkeypatch.setattr(tiny_task, "greedy_accuracy", fake_accuracy)
+    result = tiny_task.warm_start(model, str(solutions), steps=1, eval_parquet=task["val"],
+                                  show_progress=False)
+    assert result["accuracy"] == 0.5
+    assert seen["needed"] > 24 and seen["budget"] >= seen["needed"], seen
+    record = json.load(open(os.path.join(model, tiny_task.WARM_START_RECORD)))
+    assert record["greedy_max_new_tokens"] == seen["budget"]

@@ -66,3 +66,39 @@ def test_replays_are_rescored_and_shaped_like_fresh_responses():
     trainer.reward(batch)
     assert [s.acc for s in batch.sequences] == [True, True, False, False]
     assert [s.reward for s in batch.sequences] == [1.0, 0.5, -2.0, -1.25]
+
+
+class RoundsStub:
+    """What ``Trainer._dynamic_batch`` uses of a trainer: its config and one generation round
+    per call, here a fixed list of groups' correctness per round."""
+
+    def __init__(self, rounds, overrides):
+        self.cfg = load_config(None, ["data.train_batch_size=3", *overrides])
+        self.rounds = rounds
+
+    def _generate_round(self, timer, round_index):
+        groups = self.rounds[round_index]
+        batch = StepBatch(rows=[10 * round_index + g for g in range(len(groups))],
+                          prompts=[[round_index, g] for g in range(len(groups))])
+        for g, accs in enumerate(groups):
+            batch.sequences += [Sample(g, [1], "x", FRESH, acc=a) for a in accs]
+        return batch
+
+
+def test_dynamic_sampling_stops_or_trains_on_a_partial_batch_when_rounds_run_out():
+    # per round: groups with signal (True and False answers) and without
+    rounds = [[(True, False), (True, True)], [(False, False), (False, True)], [(True, True)]]
+    stub = RoundsStub(rounds, ["algo.max_generation_rounds=3"])
+    with pytest.raises(RuntimeError, match=r"kept 2 of 3 groups in 3 rounds .*"
+                       r"algo.max_generation_rounds.*dynamic_sampling_partial_batch=true"):
+        Trainer._dynamic_batch(stub, timer=None)
+    stub = RoundsStub(rounds, ["algo.max_generation_rounds=3",
+                               "algo.dynamic_sampling_partial_batch=true"])
+    batch = Trainer._dynamic_batch(stub, timer=None)
+    assert batch.rows == [0, 11] and batch.generation_rounds == 3
+    assert [s.group for s in batch.sequences] == [0, 0, 1, 1]
+    # no group with signal at all: an error whatever the option
+    stub = RoundsStub([[(True, True)]] * 2, ["algo.max_generation_rounds=2",
+                                             "algo.dynamic_sampling_partial_batch=true"])
+    with pytest.raises(RuntimeError, match="kept 0 of 3 groups in 2 rounds"):
+        Trainer._dynamic_batch(stub, timer=None)
