@@ -6,7 +6,7 @@ byte (so every digit, operator, letter and newline is its own token and any text
 plus ChatML special tokens and a chat template. It loads with ``transformers``
 ``AutoModelForCausalLM``/``AutoTokenizer`` and with vLLM. The same seed gives identical files.
 
-Run: ``python tools/make_tiny_model.py --out-dir D [--seed S] [--arch qwen2|llama]``.
+Run: ``python tools/make_tiny_model.py --out-dir D [--seed S] [--arch qwen2|qwen3|llama]``.
 """
 from __future__ import annotations
 
@@ -30,7 +30,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-SUPPORTED_ARCHS = ("qwen2", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+# Qwen3's head_dim need not be hidden / heads (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128): the
+# tiny Qwen3 keeps that property
+QWEN3_HEAD_DIM = 64
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def build_tokenizer():
 
 
 def build_hf_config(arch: str, shape: TinyModelShape, eos_id: int, pad_id: int):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=shape.vocab_size,
@@ -113,6 +116,11 @@ def build_hf_config(arch: str, shape: TinyModelShape, eos_id: int, pad_id: int):
         # Tied embeddings like the small Qwen2.5 models; QKV bias is part of the architecture.
         return Qwen2Config(tie_word_embeddings=True, rope_theta=1_000_000.0,
                            use_sliding_window=False, **common)
+    if arch == "qwen3":
+        # untied head and q/k norms; head_dim 64 with hidden 128 and 4 heads (q_proj 128 -> 256)
+        return Qwen3Config(tie_word_embeddings=False, rope_theta=1_000_000.0,
+                           use_sliding_window=False, attention_bias=False,
+                           **{**common, "head_dim": QWEN3_HEAD_DIM})
     if arch == "llama":
         return LlamaConfig(tie_word_embeddings=False, rope_theta=500_000.0,
                            attention_bias=False, mlp_bias=False, **common)

@@ -43,6 +43,13 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """The tiny Qwen3 checkpoint (q/k norms, head_dim 64 != hidden / heads, untied head)."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3"), seed=0,
+                           arch="qwen3")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """The tiny Llama checkpoint (untied embeddings, no biases), seed 0."""
     return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-llama"), seed=0,

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from rlep_megatron import platform
-from rlep_megatron.checkpoint import architecture_for, layout, llama_family
+from rlep_megatron.checkpoint import architecture_for, layout, llama_family, spec_kwargs
 from rlep_megatron.checkpoint.hf_io import SafetensorsReader, load_hf_config
 
 logger = logging.getLogger(__name__)
@@ -120,11 +120,11 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(**spec_kwargs(arch, hf_config))
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from rlep_megatron.actor.packing import packed_local_attention
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", **spec_kwargs(arch, hf_config))
         # the local attention with THD-packed sequences (sequence packing, actor/packing.py)
         spec.submodules.self_attention.submodules.core_attention = packed_local_attention()
     padded = layout.padded_vocab_size(dims.vocab_size, tp)

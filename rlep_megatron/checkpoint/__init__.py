@@ -1,16 +1,23 @@
 """HF <-> megatron-core checkpoints: per-architecture mappings, safetensors I/O, conversion.
 
 Adding an architecture is one module with ``MODEL_TYPE``, ``validate``, ``transformer_kwargs``,
-``model_kwargs`` and ``rules`` (see ``qwen2.py``), registered in ``ARCHITECTURES``.
+``model_kwargs``, ``rules`` and optionally ``spec_kwargs`` (arguments of megatron's layer-spec
+builders; see ``qwen2.py``, ``qwen3.py``), registered in ``ARCHITECTURES``.
 """
 from __future__ import annotations
 
 from types import ModuleType
 from typing import Any
 
-from rlep_megatron.checkpoint import llama, qwen2
+from rlep_megatron.checkpoint import llama, qwen2, qwen3
 
-ARCHITECTURES: dict[str, ModuleType] = {qwen2.MODEL_TYPE: qwen2, llama.MODEL_TYPE: llama}
+ARCHITECTURES: dict[str, ModuleType] = {qwen2.MODEL_TYPE: qwen2, qwen3.MODEL_TYPE: qwen3,
+                                        llama.MODEL_TYPE: llama}
+
+
+def spec_kwargs(arch: ModuleType, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The architecture's arguments for megatron's GPT layer-spec builders ({} by default)."""
+    return arch.spec_kwargs(hf_config) if hasattr(arch, "spec_kwargs") else {}
 
 
 def architecture_for(hf_config: dict[str, Any]) -> ModuleType:

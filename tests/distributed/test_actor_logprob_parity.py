@@ -15,7 +15,9 @@ PROGRAM = "tests/distributed/actor_logprob_program.py"
 # virtual pipeline stages: checked once, on the tied Qwen2 model
 @pytest.mark.parametrize("arch, tp, pp, vpp", [
     (arch, tp, pp, None) for arch in ("qwen2", "llama")
-    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))] + [("qwen2", 1, 2, 2)])
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))] + [("qwen2", 1, 2, 2)]
+    # Qwen3: q/k norms over heads split by TP, head_dim != hidden / heads
+    + [("qwen3", 1, 1, None), ("qwen3", 2, 2, None)])
 def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     out = tmp_path / "logp.pt"

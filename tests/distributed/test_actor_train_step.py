@@ -40,7 +40,7 @@ def reference_step(hf_dir, old_logp, eps=1e-3, weight_decay=0.1):
     return {n: p.detach() for n, p in model.state_dict().items()}, loss.item()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_train_step_parity_across_layouts_and_against_transformers(arch, request, tmp_path):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     single = train(hf_dir, 1, 1, 1, tmp_path / "tp1pp1.pt")

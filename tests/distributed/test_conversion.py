@@ -42,7 +42,7 @@ def assert_bit_exact(reference_dir, candidate_dir):
         assert torch.equal(tensor.view(torch.uint8), other.view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_round_trip_is_bit_exact_single_and_sharded(arch, request, tmp_path):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     mcore, back, sharded = tmp_path / "mcore", tmp_path / "back", tmp_path / "sharded"

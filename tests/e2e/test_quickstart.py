@@ -1,4 +1,4 @@
-"""README.md's "Your own model and data", followed on CPU: a model made with ``transformers``
+"""README.md's "Your own model and data", followed on CPU: a Qwen3 made with ``transformers``
 (not this project's tiny-model tool), a JSONL dataset with its own column names ->
 ``tools/prepare_data.py`` -> ``rlep init`` -> ``rlep config`` -> 2 training steps -> ``rlep eval``
 of the run's newest checkpoint."""
@@ -17,24 +17,25 @@ from tests.torchrun import REPO_ROOT
 pytestmark = pytest.mark.e2e
 
 
-def transformers_llama(directory: str, tokenizer_dir: str) -> str:
-    """A small Llama built and saved by ``transformers`` itself, with a byte-level tokenizer."""
+def transformers_qwen3(directory: str, tokenizer_dir: str) -> str:
+    """A small Qwen3 built and saved by ``transformers`` itself (its own initialisation, tied
+    head), with a byte-level tokenizer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
+    config = Qwen3Config(vocab_size=320, hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, tie_word_embeddings=False,
+                         head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
                          pad_token_id=256, eos_token_id=258, bos_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    Qwen3ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(os.path.join(tokenizer_dir, name), directory)
     return directory
 
 
 def test_own_model_and_jsonl_data_through_prepare_init_train_eval(tiny_qwen2_dir, tmp_path):
-    model = transformers_llama(str(tmp_path / "my-model"), tiny_qwen2_dir)
+    model = transformers_qwen3(str(tmp_path / "my-model"), tiny_qwen2_dir)
     records = [{"task": f"What is {a} + {b}?", "solution": str(a + b)}
                for a, b in [(1, 2), (3, 4), (5, 1), (2, 2), (6, 3), (4, 4)]]
     files = {}

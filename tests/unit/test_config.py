@@ -192,7 +192,7 @@ MISTAKES = [  # (override, what the one line must say)
                                          "2128 is more than the model's max_position_embeddings "
                                          "(2048)"),
     ("model.hf_dir={other_arch}", "model_type 'gpt2' is not supported; supported: ['llama', "
-                                  "'qwen2']"),
+                                  "'qwen2', 'qwen3']"),
 ]
 
 

@@ -25,7 +25,7 @@ def test_same_seed_gives_identical_files(tmp_path, tiny_qwen2_dir):
     assert digests(other)["tokenizer.json"] == digests(tiny_qwen2_dir)["tokenizer.json"]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_loads_in_transformers_and_generates(arch, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,6 +42,9 @@ def test_loads_in_transformers_and_generates(arch, request):
     if arch == "qwen2":
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         assert "model.layers.0.self_attn.q_proj.bias" in names
+    elif arch == "qwen3":
+        assert "model.layers.0.self_attn.q_norm.weight" in names
+        assert config["head_dim"] * config["num_attention_heads"] != config["hidden_size"]
     else:
         assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
         assert "model.layers.0.self_attn.q_proj.bias" not in names
@@ -67,8 +70,9 @@ def test_loads_in_transformers_and_generates(arch, request):
 
 
 def reference_logits(w, config, ids):
-    """Llama-family forward (Qwen2 adds QKV biases and ties the head), one sequence, float64:
-    RMSNorm, rotary embedding on halves, grouped-query causal attention, SwiGLU MLP."""
+    """Llama-family forward (Qwen2 adds QKV biases and ties the head; Qwen3 normalises each
+    query/key head), one sequence, float64: RMSNorm, rotary embedding on halves, grouped-query
+    causal attention, SwiGLU MLP."""
     heads, kv_heads, dim = (config["num_attention_heads"], config["num_key_value_heads"],
                             config["head_dim"])
     eps = config["rms_norm_eps"]
@@ -98,6 +102,9 @@ def reference_logits(w, config, ids):
         q = linear(h, f"{p}.self_attn.q_proj").view(n, heads, dim).transpose(0, 1)
         k = linear(h, f"{p}.self_attn.k_proj").view(n, kv_heads, dim).transpose(0, 1)
         v = linear(h, f"{p}.self_attn.v_proj").view(n, kv_heads, dim).transpose(0, 1)
+        if f"{p}.self_attn.q_norm.weight" in w:  # Qwen3: RMSNorm over each head, before rotary
+            q = rms(q, w[f"{p}.self_attn.q_norm.weight"])
+            k = rms(k, w[f"{p}.self_attn.k_norm.weight"])
         q, k = rotate(q), rotate(k)
         k = k.repeat_interleave(heads // kv_heads, 0)
         v = v.repeat_interleave(heads // kv_heads, 0)

@@ -72,6 +72,13 @@ def test_llama_four_ranks_actor_tp2_pp2_rollout_tp2(tmp_path, tiny_llama_dir):
     check_layouts(report, ["2x2"])
 
 
+def test_qwen3_actor_tp2_rollout_tp2(tmp_path, tiny_qwen3_dir):
+    """Qwen3's q/k norms and its head_dim != hidden / heads through the weight stream."""
+    report = run_program(tmp_path, tiny_qwen3_dir, 2, 2, "2x1")
+    check_sampling(report, dp_size=1)
+    check_layouts(report, ["2x1"])
+
+
 def test_extension_methods_do_not_shadow_vllm_worker():
     from vllm.v1.worker.worker_base import WorkerBase
     from vllm.v1.worker.gpu_worker import Worker

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.vllm
 requires("vllm")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_vllm_generates_with_logprobs_matching_hf(arch, request, tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     out = tmp_path / "samples.jsonl"
