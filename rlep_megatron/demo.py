@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -138,6 +139,134 @@ def summarise_arm(runs: list[dict[str, dict[int, float]]], target: Optional[floa
     }
 
 
+# Paired statistics (RLEP minus baseline, the same training seed in both arms): per seed the
+# best and final validation accuracy, the area under the validation curve (its mean over the
+# validated steps, trapezoids) and the steps to two thresholds: the baseline's mean best, and
+# a level fixed by the protocol before any run, the step-0 accuracy + FIXED_GAIN.
+FIXED_GAIN = 0.10
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (two-sided intervals: p = 0.975), by bisection on the distribution
+    function, itself integrated from the density (Simpson's rule). No scipy needed."""
+    if df < 1 or not 0.5 <= p < 1:
+        raise ValueError(f"t_quantile needs df >= 1 and 0.5 <= p < 1, got {df}, {p}")
+    log_norm = (math.lgamma((df + 1) / 2) - math.lgamma(df / 2)
+                - 0.5 * math.log(df * math.pi))
+
+    def density(x: float) -> float:
+        return math.exp(log_norm - (df + 1) / 2 * math.log1p(x * x / df))
+
+    def cdf(x: float, pieces: int = 4000) -> float:  # x >= 0
+        h = x / pieces
+        total = density(0.0) + density(x) + sum(
+            (4 if i % 2 else 2) * density(i * h) for i in range(1, pieces))
+        return 0.5 + total * h / 3
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < p else (low, mid)
+    return (low + high) / 2
+
+
+def area_under_curve(curve: dict[int, float]) -> float:
+    """Mean of a validation curve over its steps (trapezoids between validated steps)."""
+    steps = sorted(curve)
+    if len(steps) < 2:
+        return curve[steps[0]]
+    area = sum((curve[a] + curve[b]) / 2 * (b - a) for a, b in zip(steps, steps[1:]))
+    return area / (steps[-1] - steps[0])
+
+
+def first_step_at(curve: dict[int, float], level: float) -> Optional[int]:
+    return next((s for s in sorted(curve) if curve[s] >= level), None)
+
+
+def paired_difference(values: list[float]) -> dict:
+    """Mean of per-seed differences with its 95% t-interval (None below 2 pairs)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return {"mean": mean, "low": None, "high": None, "n": n, "values": values}
+    half = t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n, "values": values}
+
+
+def paired_comparison(base_runs: list[dict], rlep_runs: list[dict],
+                      baseline_best_mean: float) -> dict:
+    """Per seed (same seed in both arms) and paired: best, final, area under the validation
+    curve, steps to the baseline's mean best and to the fixed level. A seed where an arm
+    never reaches a level counts as the run's length + its validation interval for that arm
+    (a lower bound on how long it would take), and is flagged."""
+    per_seed = []
+    for base, rlep in zip(base_runs, rlep_runs):
+        start = base["val"][min(base["val"])]
+        row = {}
+        for name, run in (("baseline", base), ("rlep", rlep)):
+            val = run["val"]
+            steps = sorted(val)
+            censor = steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1)
+            reach = {}
+            for label, level in (("to_best", baseline_best_mean),
+                                 ("to_fixed", start + FIXED_GAIN)):
+                step = first_step_at(val, level)
+                reach[label] = step if step is not None else censor
+                reach[f"{label}_reached"] = step is not None
+            row[name] = {"best": max(val.values()), "final": val[steps[-1]],
+                         "auc": area_under_curve(val), **reach}
+        per_seed.append(row)
+    differences = {key: paired_difference([r["rlep"][key] - r["baseline"][key]
+                                           for r in per_seed])
+                   for key in ("best", "final", "auc", "to_best", "to_fixed")}
+    return {"per_seed": per_seed, "differences": differences, "fixed_gain": FIXED_GAIN}
+
+
+def verdict(paired: dict) -> str:
+    """One sentence on the best-accuracy difference and whether its interval excludes 0."""
+    diff = paired["differences"]["best"]
+    points = 100 * diff["mean"]
+    side = "above" if points >= 0 else "below"
+    if diff["low"] is None:
+        return (f"RLEP's best validation accuracy is {abs(points):.1f} points {side} the "
+                f"baseline's on one seed: no interval, no conclusion.")
+    low, high = 100 * diff["low"], 100 * diff["high"]
+    if low > 0 or high < 0:
+        return (f"RLEP's best validation accuracy is {abs(points):.1f} points {side} the "
+                f"baseline's (paired over {diff['n']} seeds, 95% interval {low:+.1f} to "
+                f"{high:+.1f}): the interval excludes 0.")
+    return (f"RLEP's best validation accuracy is {abs(points):.1f} points {side} the "
+            f"baseline's (paired over {diff['n']} seeds, 95% interval {low:+.1f} to "
+            f"{high:+.1f}): the interval includes 0, so this run shows no difference.")
+
+
+def paired_table(paired: dict, k: int) -> str:
+    def interval(d: dict, scale: float, unit: str) -> str:
+        if d["low"] is None:
+            return f"{scale * d['mean']:+.1f}{unit}"
+        return (f"{scale * d['mean']:+.1f}{unit} "
+                f"[{scale * d['low']:+.1f}, {scale * d['high']:+.1f}]")
+
+    d = paired["differences"]
+    rows = [("RLEP - baseline, paired by seed", "mean [95% interval]"),
+            (f"best validation mean@{k} (points)", interval(d["best"], 100, "")),
+            (f"final validation mean@{k} (points)", interval(d["final"], 100, "")),
+            ("area under the validation curve (points)", interval(d["auc"], 100, "")),
+            ("steps to the baseline's mean best", interval(d["to_best"], 1, "")),
+            (f"steps to step 0 + {100 * paired['fixed_gain']:.0f} points",
+             interval(d["to_fixed"], 1, ""))]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    unreached = sum(not r[arm][f"{label}_reached"] for r in paired["per_seed"]
+                    for arm in ("baseline", "rlep") for label in ("to_best", "to_fixed"))
+    if unreached:
+        lines.append(f"({unreached} arm-seed pairs never reached a level: counted at the run's "
+                     "end + one validation interval)")
+    return "\n".join(lines)
+
+
 def comparison_table(summary: dict) -> str:
     b, r, k = summary["baseline"], summary["rlep"], summary["k"]
 
@@ -181,6 +310,12 @@ def plot_comparison(summary: dict, path: str) -> None:
             ax.fill_between(steps, [100 * v[1] for _, v in points],
                             [100 * v[2] for _, v in points], alpha=0.2,
                             label=f"{name} (min-max over seeds)")
+        if key == "val_band":  # the levels of the paired "steps to" rows
+            start = summary["baseline"]["start_val"]["mean"]
+            ax.axhline(100 * summary["baseline"]["best_mean_val"], color="gray", ls="--",
+                       lw=0.8, label="baseline's mean best")
+            ax.axhline(100 * (start + FIXED_GAIN), color="gray", ls=":", lw=0.8,
+                       label=f"step 0 + {100 * FIXED_GAIN:.0f} points")
         ax.set_xlabel("training step")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -318,6 +453,9 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     summary["seeds"] = seed_list
     summary["baseline"] = summarise_arm(curves["baseline"], None)
     summary["rlep"] = summarise_arm(curves["rlep"], summary["baseline"]["best_mean_val"])
+    summary["paired"] = paired_comparison(curves["baseline"], curves["rlep"],
+                                          summary["baseline"]["best_mean_val"])
+    summary["verdict"] = verdict(summary["paired"])
     summary["k"] = _validation_k(os.path.join(run_dir("baseline", seed_list[0]), "metrics.jsonl"))
     plot = os.path.join(out_dir, "comparison.png")
     plot_comparison(summary, plot)
@@ -326,6 +464,8 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     summary_path = os.path.join(out_dir, "summary.json")
     write_file_atomic(summary_path, json.dumps(summary, indent=1))
     print(comparison_table(summary))
+    print(paired_table(summary["paired"], summary["k"]))
+    print(summary["verdict"])
     print(f"plot: {plot}\nsummary: {summary_path}\ntotal wall time: "
           f"{summary['wall_s'] / 60:.1f} min on {summary['machine']}", flush=True)
     return summary

@@ -1,6 +1,7 @@
 """``rlep demo``'s report: curves across seeds, best/final spread, steps to the baseline's best,
 worked by hand on small curves."""
 import json
+import statistics
 
 import pytest
 
@@ -96,3 +97,44 @@ def test_a_demo_directory_from_other_settings_is_refused(tmp_path):
     with pytest.raises(FileExistsError, match="remove it or give another --out-dir"):
         _check_settings(str(fresh), 0)
     assert len(list(old.iterdir())) == 1  # nothing written or removed
+
+
+def test_t_quantiles_match_the_printed_tables():
+    from rlep_megatron.demo import t_quantile
+
+    # two-sided 95% critical values of Student's t (any statistics table)
+    for df, value in ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (10, 2.228), (30, 2.042)):
+        assert t_quantile(0.975, df) == pytest.approx(value, abs=2e-3), df
+    assert t_quantile(0.5, 5) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_paired_differences_area_and_verdict_worked_by_hand():
+    from rlep_megatron.demo import (area_under_curve, paired_comparison, paired_table,
+                                    t_quantile, verdict)
+
+    # trapezoids: (0.30 + 0.50) / 2 * 4 + (0.50 + 0.60) / 2 * 4 = 3.8 over 8 steps
+    assert area_under_curve({0: 0.30, 4: 0.50, 8: 0.60}) == pytest.approx(3.8 / 8)
+    paired = paired_comparison(BASELINE, RLEP, 0.58)
+    best = paired["differences"]["best"]
+    # per seed: 0.62 - 0.60 = 0.02 and 0.60 - 0.56 = 0.04
+    assert best["values"] == pytest.approx([0.02, 0.04])
+    half = t_quantile(0.975, 1) * statistics.stdev([0.02, 0.04]) / 2 ** 0.5
+    assert (best["low"], best["high"]) == pytest.approx((0.03 - half, 0.03 + half))
+    # steps to the baseline's mean best (0.58): baseline seed 1 at 8, seed 2 never (counted
+    # at 8 + 4 = 12); RLEP seed 1 at 4, seed 2 at 4 -> differences -4 and -8
+    to_best = paired["differences"]["to_best"]
+    assert to_best["values"] == [-4, -8]
+    assert not paired["per_seed"][1]["baseline"]["to_best_reached"]
+    # the fixed level: step 0 + 10 points (0.40 and 0.42)
+    assert [r["baseline"]["to_fixed"] for r in paired["per_seed"]] == [4, 8]
+    assert [r["rlep"]["to_fixed"] for r in paired["per_seed"]] == [4, 4]
+    sentence = verdict(paired)
+    assert "3.0 points above" in sentence and "includes 0" in sentence
+    table = paired_table(paired, 8)
+    assert "best validation mean@8 (points)" in table and "never reached" in table
+    # an interval that excludes 0
+    runs = [run({0: 0.3, 4: 0.5}, {1: 0.1}), run({0: 0.3, 4: 0.52}, {1: 0.1}),
+            run({0: 0.3, 4: 0.51}, {1: 0.1})]
+    better = [run({0: 0.3, 4: 0.6}, {1: 0.1}), run({0: 0.3, 4: 0.62}, {1: 0.1}),
+              run({0: 0.3, 4: 0.605}, {1: 0.1})]
+    assert "excludes 0" in verdict(paired_comparison(runs, better, 0.51))
