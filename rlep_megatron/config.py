@@ -309,6 +309,22 @@ class OptimConfig:
     """Global grad-norm clip; a non-finite norm skips the step."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer)."""
+    overlap_grad_reduce: bool = True
+    """Reduce (reduce-scatter with the distributed optimizer) each gradient bucket over the
+    data-parallel ranks as soon as the last micro-batch's backward has filled it, while the
+    backward goes on (megatron-core's ``overlap_grad_reduce``); off: one reduction of every
+    bucket after the backward. Same arithmetic either way."""
+    overlap_param_gather: bool = True
+    """With the distributed optimizer: gather the updated parameter shards bucket by bucket in
+    the next forward pass instead of all at once after the optimizer step (megatron-core's
+    ``overlap_param_gather``); the trainer gathers whatever is left before anything reads the
+    weights outside a forward (weight sync, checkpoints). Same weights either way."""
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """With bfloat16 parameters, the dtype of the gradient buffers and of their data-parallel
+    reduction. ``float32`` (the default): sums without rounding to 8 bits, twice the buffer
+    memory and traffic of ``bfloat16``; ``bfloat16``: half of both, each reduction rounds to
+    8 bits of mantissa (the rounding error grows with the number of ranks). float32
+    parameters always reduce in float32."""
     offload_during_rollout: bool = False
     """GPU: from the end of each update until the next old-log-prob pass (weight sync,
     validation, rollout), release megatron's gradient buffers and keep the optimizer state
@@ -492,7 +508,9 @@ CONFIG_FILE_NAME = "config.yaml"
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.validation_interval_steps",
                      "trainer.log_all_ranks", "trainer.loggers", "trainer.wandb_project",
                      "trainer.wandb_run_name", "trainer.output_dir", "trainer.device",
-                     "reward.num_workers", "reward.backend", "checkpoint.", "eval.", "collect.")
+                     "reward.num_workers", "reward.backend", "checkpoint.", "eval.", "collect.",
+                     # the same arithmetic, other communication timing
+                     "optim.overlap_grad_reduce", "optim.overlap_param_gather")
 
 
 def config_changes(saved: dict, current: "RunConfig") -> list[tuple[str, Any, Any]]:

@@ -578,10 +578,24 @@ class _DoneWork:
 
 
 @contextlib.contextmanager
-def _no_coalescing(*_args, **_kwargs):
+def _no_coalescing(*_args, async_ops: bool = False, **_kwargs):
     """``torch.distributed._coalescing_manager`` without coalescing: gloo runs each collective
-    as issued, so there is nothing to batch and no handle to return."""
-    yield None
+    as issued. Inside the block every ``all_reduce`` runs synchronously (the overlapped
+    gradient reduction asks for asynchronous ones and waits on the block's handle, not on
+    theirs), and the handle given for ``async_ops`` is one that has already completed."""
+    import torch.distributed as dist
+
+    issue = dist.all_reduce
+
+    def all_reduce_now(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        issue(tensor, op=op, group=group, async_op=False)
+        return _DoneWork() if async_op else None
+
+    dist.all_reduce = all_reduce_now
+    try:
+        yield _DoneWork() if async_ops else None
+    finally:
+        dist.all_reduce = issue
 
 
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",

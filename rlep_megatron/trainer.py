@@ -223,7 +223,10 @@ class Trainer:
 
             self.reference = ReferencePolicy(self.chunks, self.info,
                                              offload=cfg.algo.reference_offload)
-        self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer)
+        self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer,
+                               overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
+                               overlap_param_gather=cfg.optim.overlap_param_gather,
+                               grad_reduce_in_fp32=cfg.optim.grad_reduce_dtype == "float32")
         self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
         self.offload_train_state = cfg.optim.offload_during_rollout and platform.cuda_available()
         if self.offload_train_state and self.info.params_dtype != torch.bfloat16:
@@ -539,6 +542,8 @@ class Trainer:
                                     replay_clip_high=self.cfg.replay.clip_ratio_high,
                                     sequence_packing=self.cfg.trainer.sequence_packing)
                    for tb in train_batches]
+        # the weight sync and checkpoints read the weights outside a forward pass
+        self.optimizer.gather_params(self.chunks)
         out = {}
         for key in results[0]:
             out[key] = _mean(r[key] for r in results if key in r)

@@ -16,25 +16,39 @@ from rlep_megatron.config import OptimConfig
 logger = logging.getLogger(__name__)
 
 
-def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool
-             ) -> list[torch.nn.Module]:
+def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool,
+             overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+             grad_reduce_in_fp32: bool = True) -> list[torch.nn.Module]:
     """megatron-core DDP around each chunk (contiguous grad buffers, DP gradient reduction).
     Tied embeddings across pipeline stages and DP reductions are finalised by
-    ``finalize_model_grads`` after the backward passes."""
+    ``finalize_model_grads`` after the backward passes. ``overlap_grad_reduce`` /
+    ``overlap_param_gather`` (the latter only with the distributed optimizer) hand megatron's
+    schedule the per-chunk sync functions, as Megatron-LM's training loop does; with the
+    parameter gather overlapped, call :meth:`ActorOptimizer.gather_params` before reading the
+    weights outside a forward pass."""
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
 
+    overlap_param_gather = overlap_param_gather and use_distributed_optimizer
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=use_distributed_optimizer)
     wrapped = []
     for index, chunk in enumerate(chunks):
         wrapped.append(DistributedDataParallel(
             config=chunk.config, ddp_config=ddp_config, module=chunk,
             disable_bucketing=index > 0))
+
+    def per_chunk(functions):
+        return functions if len(functions) > 1 else functions[0]
+
     config = wrapped[0].config
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    config.no_sync_func = per_chunk([c.no_sync for c in wrapped])
+    config.grad_sync_func = per_chunk([c.start_grad_sync for c in wrapped]) \
+        if overlap_grad_reduce else None
+    config.param_sync_func = None  # the forward pre-hooks gather (align_param_gather off)
     return wrapped
 
 
@@ -82,6 +96,15 @@ class ActorOptimizer:
         self.optimizer.step_with_ready_grads()
         self.num_steps += 1
         return True, grad_norm
+
+    def gather_params(self, chunks: list[torch.nn.Module]) -> None:
+        """With ``overlap_param_gather`` the updated shards of the other data-parallel ranks
+        arrive in the next forward pass; gather them now (synchronously) so that the weights
+        are complete for a reader outside the forward (weight sync, checkpoint). A no-op
+        without the overlap: the optimizer step already gathered them."""
+        for chunk in chunks:
+            if getattr(chunk, "ddp_config", None) is not None and chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
 
     def offload(self, chunks: list[torch.nn.Module]) -> None:
         """Free GPU memory for the rollout engine: release megatron's gradient buffers (their

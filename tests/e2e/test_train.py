@@ -91,7 +91,7 @@ def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
 def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, task, pool,
                                                               tmp_path):
     """2 ranks = DP 2 with megatron's distributed optimizer (each rank saves and reloads its
-    shard of the Adam state), rollout TP2. Mini-batches of 23 sequences out of 4 x (G + M) = 24:
+    shard of the Adam state) and its overlapped gradient reduce / parameter gather, rollout TP2. Mini-batches of 23 sequences out of 4 x (G + M) = 24:
     the second holds one sequence, so one DP rank has none and takes part with a masked row.
     Sequence packing on, with the token-balanced split over the DP ranks."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
@@ -107,7 +107,17 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
                      *train_overrides(tiny_qwen2_dir, task, str(resumed), steps=4), *common],
                     nproc=2)
     assert "resumed from" in proc.stdout + proc.stderr
+    # megatron's overlapped gradient reduce-scatter and parameter gather (the defaults) against
+    # the plain reduction after the backward: the same arithmetic, so every metric of 3 steps
+    # (step 3's rollouts and log-probs come from the weights after 2 updates) is identical
+    plain = tmp_path / "no_overlap"
+    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+              *train_overrides(tiny_qwen2_dir, task, str(plain), steps=3), *common,
+              "optim.overlap_grad_reduce=false", "optim.overlap_param_gather=false"], nproc=2)
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    for x, y in zip(a[:4], read_jsonl(plain / "metrics.jsonl")):
+        keys = {k for k in x if not k.startswith("timing/")}
+        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
     assert [e["step"] for e in a] == [e["step"] for e in b] == [0, 1, 2, 3, 4]
     for x, y in zip(a, b):
         keys = {k for k in x if not k.startswith("timing/")}
