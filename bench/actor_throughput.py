@@ -49,7 +49,7 @@ def main() -> None:
 
     from rlep_megatron import distributed, platform
     from rlep_megatron.actor.logprob import vocab_parallel_logprobs
-    from rlep_megatron.actor.model import build_model
+    from rlep_megatron.models.megatron import build_model
     from rlep_megatron.config import ParallelConfig
 
     on_gpu = platform.cuda_available()

@@ -133,7 +133,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlep_megatron import distributed
-    from rlep_megatron.actor.model import build_model
+    from rlep_megatron.models.megatron import build_model
     from rlep_megatron.config import ParallelConfig, RolloutConfig
     from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 

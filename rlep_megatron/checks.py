@@ -96,7 +96,7 @@ def check_run_config(cfg: RunConfig, command: str = "config") -> None:
     problems: list[str] = []
     hf = _hf_config(cfg, problems)
     if hf is not None:
-        from rlep_megatron.checkpoint import architecture_for
+        from rlep_megatron.models import architecture_for
 
         try:
             architecture_for(hf)  # a supported family, with options it can map

@@ -23,7 +23,7 @@ import shutil
 from typing import Optional
 
 from rlep_megatron import distributed
-from rlep_megatron.checkpoint.staging import write_file_atomic
+from rlep_megatron.staging import write_file_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -780,6 +780,6 @@ def dump_config(cfg: RunConfig, directory: str) -> str:
     """Write ``config.yaml`` into ``directory`` atomically; returns its path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, CONFIG_FILE_NAME)
-    from rlep_megatron.checkpoint.staging import write_file_atomic
+    from rlep_megatron.staging import write_file_atomic
 
     return write_file_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

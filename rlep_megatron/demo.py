@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Optional
 
-from rlep_megatron.checkpoint.staging import write_file_atomic
+from rlep_megatron.staging import write_file_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -155,7 +155,7 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
                                  cfg.rollout.max_response_tokens, cfg.data.max_prompt_tokens,
                                  cfg.trainer.seed + 7_777_777, samples=samples)
         if distributed.is_rank0():
-            from rlep_megatron.checkpoint.staging import write_file_atomic
+            from rlep_megatron.staging import write_file_atomic
 
             write_file_atomic(out, json.dumps({"checkpoint": checkpoint, "files": list(files),
                                                "k": cfg.eval.num_samples_per_prompt,

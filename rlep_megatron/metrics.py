@@ -64,7 +64,7 @@ def open_wandb_run(output_dir: str, project: str, name: str, config: Optional[di
         with open(id_path) as f:
             run_id = f.read().strip()
     else:
-        from rlep_megatron.checkpoint.staging import write_file_atomic
+        from rlep_megatron.staging import write_file_atomic
 
         run_id = wandb.util.generate_id()
         write_file_atomic(id_path, run_id + "\n")

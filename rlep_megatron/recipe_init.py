@@ -17,7 +17,7 @@ from typing import Optional
 
 import yaml
 
-from rlep_megatron.checkpoint.staging import write_file_atomic
+from rlep_megatron.staging import write_file_atomic
 
 
 def template_name(gpus: int, nodes: int, pool: bool) -> str:
@@ -44,7 +44,7 @@ def _model_config(model_dir: str) -> dict:
         raise FileNotFoundError(f"{model_dir!r} is not an HF model directory (no config.json)")
     with open(path) as f:
         hf = json.load(f)
-    from rlep_megatron.checkpoint import architecture_for
+    from rlep_megatron.models import architecture_for
 
     architecture_for(hf)  # a supported family, or a clear error naming the supported ones
     return hf

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlep_megatron.checkpoint.staging import staged_output
+from rlep_megatron.staging import staged_output
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"

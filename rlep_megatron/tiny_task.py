@@ -34,7 +34,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from rlep_megatron.checkpoint.staging import write_file_atomic
+from rlep_megatron.staging import write_file_atomic
 from rlep_megatron.data.schema import PromptRows, rows_to_table, write_table_atomic
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 3e-3
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlep_megatron.checkpoint.staging import staged_output
+    from rlep_megatron.staging import staged_output
 
     if steps < 1:
         raise ValueError(f"warm-start steps must be >= 1, got {steps}")

@@ -195,8 +195,9 @@ class Trainer:
             self.pool.check_matches(self.train_rows, source)
 
     def _build_parallel_and_models(self) -> None:
-        from rlep_megatron.actor.model import (build_from_hf, build_model, load_mcore_weights,
-                                               resolve_dtype)
+        from rlep_megatron.actor.model import build_from_hf
+        from rlep_megatron.models.megatron import build_model, resolve_dtype
+        from rlep_megatron.checkpoint.dist import load_mcore_weights
         from rlep_megatron.actor.optimizer import (build_optimizer,
                                                    wrap_ddp)
         from rlep_megatron.rollout import RolloutEngine
@@ -422,7 +423,8 @@ class Trainer:
         metrics (reduced over DP ranks by :meth:`old_logprob`)."""
         from rlep_megatron.actor.train_step import TrainBatch
         from rlep_megatron.algo import mismatch_kl, rollout_correction_weights, rollout_loss_mask
-        from rlep_megatron.rollout.parity import actor_logprobs, logprob_abs_diff
+        from rlep_megatron.actor.forward import actor_logprobs
+        from rlep_megatron.rollout.parity import logprob_abs_diff
 
         algo = self.cfg.algo
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank

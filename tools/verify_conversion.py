@@ -26,7 +26,9 @@ def main() -> int:
 
     from rlep_megatron import distributed
     from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
-    from rlep_megatron.actor.model import build_model, load_hf_weights, load_mcore_weights
+    from rlep_megatron.models.megatron import build_model
+    from rlep_megatron.actor.model import load_hf_weights
+    from rlep_megatron.checkpoint.dist import load_mcore_weights
     from rlep_megatron.checkpoint.convert import hf_dtype
     from rlep_megatron.checkpoint.hf_io import load_hf_config
     from rlep_megatron.checkpoint.verify import (DEFAULT_PROMPTS, hf_token_logprobs,

@@ -4,7 +4,7 @@ Packed micro-batches concatenate whole sequences into one row of ``t`` tokens (m
 layout: ``PackedSeqParams`` with ``cu_seqlens``); attention never crosses a sequence boundary
 and rotary positions restart at every sequence (megatron applies them per ``cu_seqlens``).
 TransformerEngine's attention takes that layout natively; for megatron-core's local layer spec
-(CPU, or a GPU without TE) :class:`PackedLocalAttention` computes the same thing. Log-probs are
+(CPU, or a GPU without TE) :mod:`rlep_megatron.models.attention` computes the same thing. Log-probs are
 computed on the packed tokens only and then unpacked to the ``[rows, columns]`` layout that the
 loss and every caller use, so nothing downstream knows whether a batch was packed.
 
@@ -122,71 +122,3 @@ def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
     flat = values.reshape(-1)
     gathered = flat[batch["unpack_index"]]
     return torch.where(batch["unpack_valid"], gathered, torch.zeros_like(gathered))
-
-
-def _local_attention_class():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
-    class PackedLocalAttention(DotProductAttention):
-        """megatron-core's local attention, extended to THD-packed inputs and computed with
-        torch's fused ``scaled_dot_product_attention`` (causal, no dropout, no softmax offset:
-        the actor's settings; anything else goes to megatron's own path).
-
-        Packed ``[t, heads, dim]`` queries/keys/values are laid out as a padded batch of their
-        sequences, attended with the causal mask and packed back: each sequence sees only
-        itself, exactly as TransformerEngine's THD attention, while the projections, MLPs and
-        logits around it run on real tokens only."""
-
-        def _fused(self, query, key, value):
-            """``[s, b, heads, dim]`` (keys/values with their query groups) -> ``[s, b, h]``."""
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            repeat = q.shape[1] // k.shape[1]
-            if repeat > 1:
-                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale)
-            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):
-            fused = (attention_mask is None and attention_bias is None
-                     and self.softmax_offset is None and self.attention_dropout.p == 0.0
-                     and not self.config.apply_query_key_layer_scaling
-                     and self.config.window_size is None
-                     and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal)
-            if packed_seq_params is None:
-                if fused:
-                    return self._fused(query, key, value)
-                return super().forward(query, key, value, attention_mask,
-                                       attn_mask_type=attn_mask_type,
-                                       attention_bias=attention_bias)
-            if not fused:
-                raise NotImplementedError("packed sequences with the local layer spec need "
-                                          "causal attention without dropout, bias or offset")
-            cu = packed_seq_params.cu_seqlens_q.to(torch.long)
-            sizes = cu[1:] - cu[:-1]
-            width = int(sizes.max())
-            columns = torch.arange(width, device=cu.device)
-            valid = columns.unsqueeze(0) < sizes.unsqueeze(1)
-            index = torch.where(valid, cu[:-1].unsqueeze(1) + columns,
-                                torch.zeros_like(valid, dtype=torch.long))
-
-            def to_padded(x):  # [t, h, d] -> [width, sequences, h, d]
-                return x[index].transpose(0, 1)
-
-            out = self._fused(to_padded(query), to_padded(key), to_padded(value))
-            return out.transpose(0, 1)[valid]  # [t, h * d]
-
-    return PackedLocalAttention
-
-
-_PACKED_LOCAL_ATTENTION = None
-
-
-def packed_local_attention():
-    """:class:`PackedLocalAttention` (built on first use: megatron is imported lazily)."""
-    global _PACKED_LOCAL_ATTENTION
-    if _PACKED_LOCAL_ATTENTION is None:
-        _PACKED_LOCAL_ATTENTION = _local_attention_class()
-    return _PACKED_LOCAL_ATTENTION

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from rlep_megatron.actor.model import ActorModelInfo, build_model, unwrap
+from rlep_megatron.models.megatron import ActorModelInfo, build_model, unwrap
 
 
 class ReferencePolicy:
@@ -56,7 +56,7 @@ class ReferencePolicy:
                  ) -> Optional[torch.Tensor]:
         """Per-token log-probs of the right-padded ``input_ids`` on the last pipeline stage
         (``None`` elsewhere), batched exactly as the actor's old log-probs. Collective."""
-        from rlep_megatron.rollout.parity import actor_logprobs
+        from rlep_megatron.actor.forward import actor_logprobs
 
         with self.on_device() as chunks:
             return actor_logprobs(chunks, self.info, input_ids, micro_batch_size, temperature,

@@ -19,7 +19,7 @@ from rlep_megatron import distributed
 from rlep_megatron.actor import packing
 from rlep_megatron.actor.forward import fit_to_schedule
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
-from rlep_megatron.actor.model import ActorModelInfo
+from rlep_megatron.models.megatron import ActorModelInfo
 from rlep_megatron.actor.optimizer import ActorOptimizer
 from rlep_megatron.algo import policy_loss
 from rlep_megatron.config import AlgoConfig

@@ -29,9 +29,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rlep_megatron.checkpoint import architecture_for, layout
+from rlep_megatron.models import architecture_for, layout
 from rlep_megatron.checkpoint.hf_io import INDEX_FILE, SafetensorsReader, load_hf_config
-from rlep_megatron.checkpoint.staging import staged_output
+from rlep_megatron.staging import staged_output
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _single_process_model_parallel() -> None:
 
 def _skeleton(hf_config: dict[str, Any]):
     """The TP=1 x PP=1 model on the meta device (names, shapes, sharding; no storage)."""
-    from rlep_megatron.actor.model import build_model
+    from rlep_megatron.models.megatron import build_model
 
     chunks, info = build_model(hf_config, hf_dtype(hf_config), on_meta_device=True)
     return chunks[0], info
@@ -119,7 +119,7 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, show_progress: bool = True) -
 
 
 def _resolve_config_dir(mcore_dir: str, hf_config_dir: Optional[str]) -> str:
-    from rlep_megatron.actor.model import resolve_mcore_dir
+    from rlep_megatron.checkpoint.dist import resolve_mcore_dir
 
     if not os.path.isdir(mcore_dir):
         raise FileNotFoundError(f"megatron checkpoint directory not found: {mcore_dir}")
@@ -139,7 +139,7 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[st
     summary line. Reads one layer at a time and flushes each safetensors shard when full."""
     from safetensors.torch import save_file
 
-    from rlep_megatron.actor.model import resolve_mcore_dir
+    from rlep_megatron.checkpoint.dist import resolve_mcore_dir
     from rlep_megatron.checkpoint.streaming import iter_checkpoint_params
     from rlep_megatron.metrics import progress
 

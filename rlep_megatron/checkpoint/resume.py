@@ -209,7 +209,7 @@ class CheckpointManager:
                 "trainer.output_dir) without the optimizer state")
 
     def _sharded_state(self, trainer, is_loading: bool = False) -> dict:
-        from rlep_megatron.actor.model import model_sharded_state_dict
+        from rlep_megatron.checkpoint.dist import model_sharded_state_dict
 
         model = model_sharded_state_dict(trainer.chunks)
         # when loading, megatron first creates the (lazily built) Adam state to load into
@@ -304,7 +304,7 @@ class CheckpointManager:
         if path is None:
             return False
         trainer.optimizer.create_state()
-        from rlep_megatron.actor.model import drop_unsaved_extra_state, load_model_state_dict
+        from rlep_megatron.checkpoint.dist import drop_unsaved_extra_state, load_model_state_dict
 
         sharded = drop_unsaved_extra_state(self._sharded_state(trainer, is_loading=True),
                                            os.path.join(path, "dist"))

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from rlep_megatron.checkpoint import layout
+from rlep_megatron.models import layout
 
 Materialize = Callable[[layout.ParamRule, Optional[int]], torch.Tensor]
 """``(rule, global layer) -> unsharded megatron tensor`` of one parameter."""
@@ -42,7 +42,7 @@ def skeleton_entries(skeleton: torch.nn.Module, rules: list[layout.ParamRule],
                      sharded: Optional[dict] = None) -> list[_Entry]:
     """Every parameter of a TP=1 x PP=1 meta-device model with its sharded entry, in model
     order."""
-    from rlep_megatron.actor.model import iter_params_with_rules
+    from rlep_megatron.models.megatron import iter_params_with_rules
 
     sharded = skeleton.sharded_state_dict() if sharded is None else sharded
     entries = []

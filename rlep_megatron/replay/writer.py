@@ -9,7 +9,7 @@ import json
 import os
 from typing import Optional, Sequence
 
-from rlep_megatron.checkpoint.staging import write_file_atomic
+from rlep_megatron.staging import write_file_atomic
 from rlep_megatron.data.schema import PromptRows, rows_to_table, write_table_atomic
 
 

@@ -85,13 +85,14 @@ def engine_and_scorer(cfg, checkpoint: str, seed: int):
 
 
 def _dtype_name(cfg) -> str:
-    from rlep_megatron.actor.model import resolve_dtype
+    from rlep_megatron.models.megatron import resolve_dtype
 
     return str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1]
 
 
 def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, seed: int):
-    from rlep_megatron.actor.model import build_model, load_mcore_weights, resolve_dtype
+    from rlep_megatron.models.megatron import build_model, resolve_dtype
+    from rlep_megatron.checkpoint.dist import load_mcore_weights
     from rlep_megatron.checkpoint.hf_io import load_hf_config
     from rlep_megatron.rollout import RolloutEngine
     from rlep_megatron.weight_sync import WeightStreamer, sync_weights

@@ -9,13 +9,12 @@ renormalisation to show up here.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from rlep_megatron import distributed
-from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
-from rlep_megatron.actor.model import ActorModelInfo
+from rlep_megatron.actor.forward import actor_logprobs_everywhere
+from rlep_megatron.models.megatron import ActorModelInfo
 
 
 def logprob_abs_diff(engine_logprobs: Sequence[Sequence[float]], actor_logp: torch.Tensor,
@@ -44,39 +43,6 @@ def logprob_abs_diff(engine_logprobs: Sequence[Sequence[float]], actor_logp: tor
         return {"mean": 0.0, "max": 0.0, "tokens": 0}
     flat = torch.cat(diffs)
     return {"mean": flat.mean().item(), "max": flat.max().item(), "tokens": int(flat.numel())}
-
-
-def actor_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo, input_ids: torch.Tensor,
-                   micro_batch_size: int = 8, temperature: float = 1.0,
-                   everywhere: bool = True, lengths: Optional[torch.Tensor] = None,
-                   pack_max_tokens: Optional[int] = None) -> Optional[torch.Tensor]:
-    """The actor's per-token log-probs ``[n, seq]`` of the right-padded ``input_ids``, computed
-    on the last pipeline stage; with ``everywhere`` broadcast over the pipeline group to every
-    stage, otherwise ``None`` on the other stages (which only feed activations forward).
-    Collective."""
-    from megatron.core import parallel_state as ps
-
-    result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=micro_batch_size,
-                               temperature=temperature, lengths=lengths,
-                               pack_max_tokens=pack_max_tokens)
-    logp: Optional[torch.Tensor] = None if result is None else result["logp"]
-    if everywhere and ps.get_pipeline_model_parallel_world_size() > 1:
-        device = next(chunks[0].parameters()).device
-        buf = (logp.to(device, torch.float32) if logp is not None
-               else torch.empty(input_ids.shape, dtype=torch.float32, device=device))
-        distributed.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
-                              group=ps.get_pipeline_model_parallel_group())
-        logp = buf.cpu()
-    return logp
-
-
-def actor_logprobs_everywhere(chunks: list[torch.nn.Module], info: ActorModelInfo,
-                              sequences: Sequence[Sequence[int]], pad_id: int,
-                              micro_batch_size: int = 8, temperature: float = 1.0
-                              ) -> torch.Tensor:
-    """:func:`actor_logprobs` of unpadded token lists, on every rank. Collective."""
-    input_ids, _ = pad_sequences([list(s) for s in sequences], pad_id=pad_id)
-    return actor_logprobs(chunks, info, input_ids, micro_batch_size, temperature)
 
 
 def probe(chunks: list[torch.nn.Module], info: ActorModelInfo, prompts: Sequence[Sequence[int]],

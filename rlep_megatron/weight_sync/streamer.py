@@ -26,8 +26,8 @@ from typing import Iterator, Optional
 import torch
 
 from rlep_megatron import distributed
-from rlep_megatron.actor.model import ActorModelInfo, iter_params_with_rules, unwrap
-from rlep_megatron.checkpoint import architecture_for, layout
+from rlep_megatron.models.megatron import ActorModelInfo, iter_params_with_rules, unwrap
+from rlep_megatron.models import architecture_for, layout
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 

@@ -12,7 +12,7 @@ def meta_skeleton_on_a_gpu_node(hf_dir: str, out: str) -> None:
     """The conversion tools' skeleton (``build_model(on_meta_device=True)``) on a node where
     CUDA is available (faked) must not touch the GPU: every parameter stays on the meta
     device and TransformerEngine is not asked for."""
-    from rlep_megatron.actor.model import build_model
+    from rlep_megatron.models.megatron import build_model
     from rlep_megatron.checkpoint.hf_io import load_hf_config
 
     distributed.init_model_parallel(ParallelConfig(), seed=0)
@@ -38,8 +38,9 @@ def extra_state_is_reconciled(hf_dir: str, work: str, out: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from rlep_megatron.actor.model import (build_from_hf, drop_unsaved_extra_state,
-                                           load_model_state_dict, model_sharded_state_dict)
+    from rlep_megatron.actor.model import build_from_hf
+    from rlep_megatron.checkpoint.dist import (drop_unsaved_extra_state, load_model_state_dict,
+                                               model_sharded_state_dict)
 
     distributed.init_model_parallel(ParallelConfig(), seed=0)
     chunks, _ = build_from_hf(hf_dir, "float32")

@@ -10,7 +10,7 @@ from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
-from rlep_megatron.rollout.parity import actor_logprobs_everywhere
+from rlep_megatron.actor.forward import actor_logprobs_everywhere
 
 
 def main(hf_dir: str, out: str, tp: int = 1, pp: int = 1) -> None:

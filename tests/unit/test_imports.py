@@ -46,3 +46,44 @@ def test_pure_packages_do_not_touch_distributed_state():
                                   r"from torch\.distributed|import megatron|from megatron\b",
                                   source)
                 assert not uses, f"{package}/{name}: {uses}"
+
+
+def test_no_import_cycle_between_subpackages():
+    """Every import inside the package (module level or in a function) seen as an edge between
+    its subpackages (``models``, ``checkpoint``, ``actor``, ...); the graph has no cycle, so
+    each layer builds only on the ones below it."""
+    import ast
+    import os
+
+    import rlep_megatron
+
+    root = os.path.dirname(rlep_megatron.__file__)
+    edges: dict[str, set[str]] = {}
+    for directory, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            rel = os.path.relpath(path, root).split(os.sep)
+            source = rel[0] if len(rel) > 1 else rel[0][:-3]
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                        "rlep_megatron"):
+                    parts = node.module.split(".")
+                    targets = [parts[1]] if len(parts) > 1 else [a.name for a in node.names]
+                    for target in targets:
+                        if target != source:
+                            edges.setdefault(source, set()).add(target)
+
+    def cycle_from(start, node, path):
+        for nxt in sorted(edges.get(node, ())):
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = cycle_from(start, nxt, path + [nxt])
+                if found:
+                    return found
+        return None
+
+    for start in sorted(edges):
+        assert cycle_from(start, start, [start]) is None, cycle_from(start, start, [start])

@@ -153,7 +153,7 @@ def test_no_fused_softmax_without_its_kernels_on_a_gpu(monkeypatch, tiny_qwen2_d
     the fused softmax (it imports them when a batch shape selects that path)."""
     import sys
 
-    from rlep_megatron.actor.model import transformer_config
+    from rlep_megatron.models.megatron import transformer_config
     from rlep_megatron.checkpoint.hf_io import load_hf_config
 
     monkeypatch.setattr(platform, "cuda_available", lambda: True)  # a GPU node, faked

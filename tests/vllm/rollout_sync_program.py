@@ -20,7 +20,8 @@ from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig, RolloutConfig
 from rlep_megatron.rollout import RolloutEngine, StaleWeightsError
-from rlep_megatron.rollout.parity import actor_logprobs_everywhere, probe
+from rlep_megatron.actor.forward import actor_logprobs_everywhere
+from rlep_megatron.rollout.parity import probe
 from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 
 PAD = 256

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlep_megatron.checkpoint.layout import GPTDims, ParamRule
+from rlep_megatron.models.layout import GPTDims, ParamRule
 
 L = "{layer}"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlep_megatron.checkpoint import llama_family
-from rlep_megatron.checkpoint.layout import ParamRule
+from rlep_megatron.models import llama_family
+from rlep_megatron.models.layout import ParamRule
 
 MODEL_TYPE = "qwen3"
 

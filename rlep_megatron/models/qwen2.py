@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlep_megatron.checkpoint import llama_family
+from rlep_megatron.models import llama_family
 
 MODEL_TYPE = "qwen2"
 

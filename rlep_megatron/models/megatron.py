@@ -1,0 +1,185 @@
+"""HF ``config.json`` -> megatron-core ``TransformerConfig`` + layer spec -> ``GPTModel`` chunks
+for this rank, from the architecture modules of :mod:`rlep_megatron.models`.
+
+TransformerEngine's layer spec is used when TE is importable on a GPU, megatron-core's local
+spec otherwise. Parameters are bfloat16 on GPU and float32 on CPU unless ``params_dtype`` says
+otherwise. The vocabulary is padded to a multiple of the TP size; padded logits are masked by
+:mod:`rlep_megatron.actor.logprob`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from rlep_megatron import platform
+from rlep_megatron.models import architecture_for, layout, llama_family, spec_kwargs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ActorModelInfo:
+    """What the rest of the actor needs to know about the built model."""
+
+    hf_config: dict
+    dims: layout.GPTDims
+    padded_vocab_size: int
+    params_dtype: torch.dtype
+    use_te: bool
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if platform.cuda_available() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"model.params_dtype must be auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: int,
+                       pipeline_model_parallel_size: int, params_dtype: torch.dtype,
+                       virtual_pipeline_model_parallel_size: Optional[int] = None,
+                       recompute_activations: bool = False, use_te: bool = False,
+                       on_meta_device: bool = False):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    arch = architecture_for(hf_config)
+    dims = llama_family.dims_from_config(hf_config)
+    on_gpu = platform.cuda_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+        num_attention_heads=dims.num_attention_heads, num_query_groups=dims.num_query_groups,
+        kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        # Initialisation must stay on even though HF weights overwrite it: megatron marks
+        # tensor-parallel shards (param.tensor_model_parallel) only inside its initialisers, and
+        # without the mark the grad norm treats shards of TP ranks > 0 as duplicates.
+        # (CPU initialisation passes no explicit device, so a meta-device skeleton stays on
+        # the meta device; GPU initialisation names the current CUDA device)
+        use_cpu_initialization=not on_gpu or on_meta_device, perform_initialization=True,
+        # fused kernels are CUDA-only; on CPU use megatron's plain-torch paths
+        # (the local spec's fused softmax needs kernels that only apex / Megatron-LM build)
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and (use_te or platform.fused_softmax_available()),
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+        # micro-batches are cut by a token budget, so their shapes differ; pipeline stages
+        # exchange shapes before activations
+        variable_seq_lengths=True,
+        # megatron refuses variable lengths with the default MoE dispatcher even for dense
+        # models; the dispatcher is unused here
+        moe_token_dispatcher_type="alltoall",
+    )
+    if recompute_activations:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    kwargs.update(arch.transformer_kwargs(hf_config))
+    kwargs.update(platform.megatron_config_overrides())
+    return TransformerConfig(**kwargs)
+
+
+def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
+                recompute_activations: bool = False, on_meta_device: bool = False,
+                transformer_engine: str = "auto"
+                ) -> tuple[list[torch.nn.Module], ActorModelInfo]:
+    """GPTModel chunks of this rank (one per virtual pipeline stage), weights uninitialised.
+
+    ``transformer_engine``: ``auto`` | ``required`` | ``off``
+    (:func:`platform.use_transformer_engine`). ``on_meta_device`` builds them without storage:
+    shapes, names and sharding metadata only (the streaming conversion tools work from such a
+    skeleton); it takes the local spec, whose checkpoint keys are TransformerEngine's (megatron
+    maps the norms' names), and allocates nothing on a GPU."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    arch = architecture_for(hf_config)
+    dims = llama_family.dims_from_config(hf_config)
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    use_te = False if on_meta_device else platform.use_transformer_engine(transformer_engine)
+    if not on_meta_device:
+        platform.report_layer_spec(use_te)
+    config = transformer_config(hf_config, tp, pp, params_dtype, vpp, recompute_activations,
+                                use_te, on_meta_device)
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import \
+            get_gpt_layer_with_transformer_engine_spec
+        spec = get_gpt_layer_with_transformer_engine_spec(**spec_kwargs(arch, hf_config))
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from rlep_megatron.models.attention import packed_local_attention
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", **spec_kwargs(arch, hf_config))
+        # the local attention with THD-packed sequences (sequence packing, actor/packing.py)
+        spec.submodules.self_attention.submodules.core_attention = packed_local_attention()
+    padded = layout.padded_vocab_size(dims.vocab_size, tp)
+    chunks = []
+    device = torch.device("meta") if on_meta_device else _current_device()
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        with device:
+            chunk = GPTModel(
+                config=config, transformer_layer_spec=spec, vocab_size=padded,
+                max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings")),
+                position_embedding_type="rope", vp_stage=stage, **arch.model_kwargs(hf_config))
+        _params_to_dtype(chunk, params_dtype)
+        chunks.append(chunk if on_meta_device else chunk.to(device))
+    info = ActorModelInfo(hf_config=hf_config, dims=dims, padded_vocab_size=padded,
+                          params_dtype=params_dtype, use_te=use_te)
+    return chunks, info
+
+
+def _params_to_dtype(chunk: torch.nn.Module, params_dtype: torch.dtype) -> None:
+    """Every floating-point parameter in ``params_dtype``. The local spec's norms
+    (``torch.nn.RMSNorm``) are created in float32 whatever the dtype; in a bf16 model they
+    would form a second, float32 gradient buffer, and megatron-core 0.16's distributed
+    optimizer then pairs the two buffers' parameters with the wrong optimizer states when it
+    saves (``sharded_param_state_dp_reshardable`` asserts on the shapes). TransformerEngine's
+    norms and the HF checkpoint keep them in the model dtype too."""
+    for param in chunk.parameters():
+        if param.is_floating_point() and param.dtype != params_dtype:
+            param.data = param.data.to(params_dtype)
+
+
+def _current_device() -> torch.device:
+    if platform.cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def iter_params_with_rules(chunk: torch.nn.Module, rules: list[layout.ParamRule]):
+    """``(param, rule, global_layer)`` for every parameter of a chunk; global layer numbers come
+    from megatron's own ``layer_number`` (1-based), so PP and VPP offsets are megatron's."""
+    by_name = layout.rule_index(rules)
+    layer_numbers = ([layer.layer_number - 1 for layer in chunk.decoder.layers]
+                     if hasattr(chunk, "decoder") else [])
+    for name, param in chunk.named_parameters():
+        template, local = layout.split_layer(layout.canonical_name(name))
+        rule = by_name.get(template)
+        if rule is None:
+            raise ValueError(f"no HF mapping for megatron parameter {name!r}")
+        yield name, param, rule, (layer_numbers[local] if local is not None else None)
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP wrapper (or the chunk itself)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
