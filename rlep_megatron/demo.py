@@ -39,8 +39,9 @@ logger = logging.getLogger(__name__)
 # competent for RL to show anything; with (1, 2) slips it computes the answer but samples a
 # slip often (24% of validation samples correct at T=1 after 1500 steps, 33% after 2500), and
 # GRPO raises that by rewarding the correct result over the slips. (These figures were taken
-# when the settings were chosen; with today's sampling seeds `rlep demo` reads 36% at step 0
-# and 62% at best, see README.md.)
+# on the CPU the settings were chosen on; on other CPUs and other --warm-start-seed values the
+# warm start lands anywhere from 6% to 47% greedy and the baseline's gain from 3 to 27 points:
+# the table in README.md, "The tiny default".)
 TASK = {"kind": "arith", "num_train": 800, "num_val": 64, "max_operand": 20,
         "num_slips_easy": 1, "num_slips_hard": 2}
 # 2500 supervised steps (about 3.3 minutes): fewer leave the model unable to compute many

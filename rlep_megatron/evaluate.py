@@ -157,7 +157,11 @@ def run_eval(cfg) -> dict[str, dict[str, float]]:
         if distributed.is_rank0():
             from rlep_megatron.staging import write_file_atomic
 
-            write_file_atomic(out, json.dumps({"checkpoint": checkpoint, "files": list(files),
+            # a checkpoint inside the report's directory (a run's own) is recorded relative to it
+            here = os.path.dirname(os.path.abspath(out))
+            inside = os.path.commonpath([here, os.path.abspath(checkpoint)]) == here
+            record = os.path.relpath(checkpoint, here) if inside else checkpoint
+            write_file_atomic(out, json.dumps({"checkpoint": record, "files": list(files),
                                                "k": cfg.eval.num_samples_per_prompt,
                                                "report": report, "samples": samples},
                                               indent=1))

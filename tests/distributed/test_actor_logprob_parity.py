@@ -12,10 +12,11 @@ pytestmark = pytest.mark.distributed
 PROGRAM = "tests/distributed/actor_logprob_program.py"
 
 
-# virtual pipeline stages: checked once, on the tied Qwen2 model
+# every layout on the tied Qwen2 model (virtual pipeline stages too); Llama and Qwen3 at TP1
+# and at TP2 x PP2, which holds both splits
 @pytest.mark.parametrize("arch, tp, pp, vpp", [
-    (arch, tp, pp, None) for arch in ("qwen2", "llama")
-    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))] + [("qwen2", 1, 2, 2)]
+    ("qwen2", tp, pp, None) for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))]
+    + [("qwen2", 1, 2, 2), ("llama", 1, 1, None), ("llama", 2, 2, None)]
     # Qwen3: q/k norms over heads split by TP, head_dim != hidden / heads
     + [("qwen3", 1, 1, None), ("qwen3", 2, 2, None)])
 def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):

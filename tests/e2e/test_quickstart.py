@@ -75,7 +75,7 @@ def test_own_model_and_jsonl_data_through_prepare_init_train_eval(tiny_qwen2_dir
     result = run_rlep(["eval", "--config", recipe, *cpu, f"eval.checkpoint={out}",
                        f"eval.output_file={report_file}"])
     report = json.load(open(report_file))
-    # the run directory stands for its newest checkpoint
-    assert report["checkpoint"] == os.path.join(out, "checkpoints", "step_00000002")
+    # the run directory stands for its newest checkpoint (recorded from the report's directory)
+    assert report["checkpoint"] == os.path.join("run", "checkpoints", "step_00000002")
     assert report["report"]["math_dapo"]["num_questions"] == 2
     assert "math_dapo" in result.stdout
