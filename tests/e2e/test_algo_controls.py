@@ -81,18 +81,20 @@ def test_kl_with_pipeline_parallel_resumes_bit_for_bit(tiny_qwen2_dir, task, poo
 
 def test_rollout_correction_in_fp32_leaves_the_update_unchanged(tiny_qwen2_dir, task, pool,
                                                                tmp_path):
-    """Actor TP=2 with the KL term on. Masking keeps every token (weights exactly 1), so the
+    """Actor TP=2 with the KL term on. Rejection keeps every token (weights exactly 1), so the
     run equals the uncorrected one bit for bit; truncation's weights are within 1e-5 of 1, so
-    its update is the same within that."""
+    its update is the same within that (masked importance sampling's weights are rho itself:
+    tests/unit/test_algo_controls.py and the bf16 test below)."""
     common = ["parallel.tensor_model_parallel_size=2", "algo.kl_coef=0.05"]
     runs = {mode: train(tiny_qwen2_dir, task, pool, tmp_path / mode, 2, *common,
                         f"algo.rollout_correction={mode}")
-            for mode in ("off", "mask", "truncate")}
-    for off, mask, truncate in zip(runs["off"], runs["mask"], runs["truncate"]):
+            for mode in ("off", "reject", "truncate")}
+    for off, reject, truncate in zip(runs["off"], runs["reject"], runs["truncate"]):
         shared = {k for k in without_timings(off)}
         assert not any(k.startswith("rollout/correction") for k in shared)
-        assert {k: off[k] for k in shared} == {k: mask[k] for k in shared}
-        assert mask["rollout/correction_weight_min"] == mask["rollout/correction_weight_max"] == 1
+        assert {k: off[k] for k in shared} == {k: reject[k] for k in shared}
+        assert (reject["rollout/correction_weight_min"]
+                == reject["rollout/correction_weight_max"] == 1)
         assert truncate["rollout/correction_weight_max"] <= 1 + 1e-5
         for key in ("train/pg_loss", "train/grad_norm", "train/kl"):
             assert truncate[key] == pytest.approx(off[key], rel=1e-4, abs=1e-7), key
