@@ -40,15 +40,15 @@ def _hf_config(cfg: RunConfig, problems: list[str]) -> Optional[dict]:
 
 def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
     from rlep_megatron.distributed import validate_parallel_layout
+    from rlep_megatron.models import layout_limits
 
     parallel = cfg.parallel
     heads = hf.get("num_attention_heads")
-    kv_heads = hf.get("num_key_value_heads", heads)
     model_parallel = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
                       * parallel.context_parallel_size)
     world = int(os.environ.get("WORLD_SIZE", model_parallel))
     try:
-        validate_parallel_layout(world, parallel, heads, kv_heads, hf.get("num_hidden_layers"))
+        validate_parallel_layout(world, parallel, **layout_limits(hf))
     except ValueError as err:
         problems.append(f"parallel: {err}")
     rollout_tp = cfg.rollout.tensor_model_parallel_size

@@ -65,12 +65,18 @@ class ParallelConfig:
     """Context-parallel degree; only 1 is supported (sequences are not split across ranks
     yet: a larger value would make the ranks repeat each other's work)."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism inside tensor-parallel groups; not supported yet (only
-    false is accepted)."""
+    """Megatron sequence parallelism inside tensor-parallel groups (TP > 1): the norms and
+    the activations between the tensor-parallel blocks are split along the sequence, which
+    divides their memory by TP; each micro-batch is padded to a multiple of TP tokens. Needed
+    by mixture-of-experts models at TP > 1."""
+    expert_model_parallel_size: int = 1
+    """Mixture-of-experts models: ranks the routed experts are split over (must divide the
+    experts, and world size / (TP x PP)); tokens reach their experts by all-to-all. Each
+    expert's matrices are split over the TP size as well. 1 for dense models."""
 
     def __post_init__(self):
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "context_parallel_size"):
+                    "context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
         if self.context_parallel_size != 1:
@@ -78,9 +84,9 @@ class ParallelConfig:
                              "not supported: sequences are not split across context-parallel "
                              "ranks, which would only repeat each other's work; use 1 (and "
                              "tensor/pipeline parallelism for long sequences)")
-        if self.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel=true is not supported yet (the actor "
-                             "does not scatter activations along the sequence); use false")
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            raise ValueError("parallel.sequence_parallel=true needs tensor_model_parallel_size "
+                             ">= 2 (it splits the sequence across the tensor-parallel ranks)")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or self.pipeline_model_parallel_size < 2):
             raise ValueError(

@@ -47,8 +47,10 @@ class ParallelContext:
 def validate_parallel_layout(world_size: int, parallel: ParallelConfig,
                              num_attention_heads: Optional[int] = None,
                              num_query_groups: Optional[int] = None,
-                             num_layers: Optional[int] = None) -> int:
-    """Check a layout; returns the data-parallel size. Raises ValueError naming the numbers."""
+                             num_layers: Optional[int] = None,
+                             num_experts: Optional[int] = None) -> int:
+    """Check a layout; returns the data-parallel size. Raises ValueError naming the numbers.
+    ``num_experts``: the model's routed experts (0 or None for a dense model)."""
     tp = parallel.tensor_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
     cp = parallel.context_parallel_size
@@ -73,6 +75,19 @@ def validate_parallel_layout(world_size: int, parallel: ParallelConfig,
                 f"num_layers={num_layers} is not divisible by pipeline_model_parallel_size "
                 f"({pp}) x virtual_pipeline_model_parallel_size "
                 f"({parallel.virtual_pipeline_model_parallel_size or 1}) = {chunks}")
+    ep = parallel.expert_model_parallel_size
+    if ep > 1 and num_experts is not None and not num_experts:
+        raise ValueError(f"expert_model_parallel_size={ep} needs a mixture-of-experts model; "
+                         "this one is dense: use 1")
+    if num_experts and num_experts % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} does not divide the model's "
+                         f"{num_experts} experts; choose a divisor of {num_experts}")
+    # experts are split over EP x (expert) TP within a pipeline stage (megatron: the
+    # expert-tensor-parallel size is the TP size)
+    if world_size % (ep * tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by "
+                         f"expert_model_parallel_size ({ep}) x tensor_model_parallel_size "
+                         f"({tp}) x pipeline_model_parallel_size ({pp}) = {ep * tp * pp}")
     return world_size // model_parallel
 
 
@@ -97,15 +112,26 @@ def init_process_group(timeout_minutes: int = 30) -> platform.Platform:
     return plat
 
 
+_SEQUENCE_PARALLEL = False
+
+
+def sequence_parallel() -> bool:
+    """Whether the model-parallel layout of :func:`init_model_parallel` splits sequences
+    across the tensor-parallel ranks (``parallel.sequence_parallel``); models built afterwards
+    follow it."""
+    return _SEQUENCE_PARALLEL
+
+
 def init_model_parallel(parallel: ParallelConfig, seed: int,
                         num_attention_heads: Optional[int] = None,
                         num_query_groups: Optional[int] = None,
-                        num_layers: Optional[int] = None) -> ParallelContext:
+                        num_layers: Optional[int] = None,
+                        num_experts: Optional[int] = None) -> ParallelContext:
     """Process group + megatron-core model-parallel groups + model-parallel RNG seeds."""
     plat = init_process_group()
     world_size = torch.distributed.get_world_size()
     validate_parallel_layout(world_size, parallel, num_attention_heads, num_query_groups,
-                             num_layers)
+                             num_layers, num_experts)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -116,7 +142,10 @@ def init_model_parallel(parallel: ParallelConfig, seed: int,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
     )
+    global _SEQUENCE_PARALLEL
+    _SEQUENCE_PARALLEL = parallel.sequence_parallel
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return current_context(plat.device)

@@ -429,12 +429,50 @@ _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "ra
               "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "linspace")
 
 
+class _GlooDistributed(types.ModuleType):
+    """``torch.distributed`` as seen by megatron-core modules on CPU: gloo's list all-gather
+    needs equal sizes and gloo has no list reduce-scatter, while megatron's MoE token
+    dispatcher gathers and reduce-scatters uneven per-rank token counts over the
+    tensor-parallel group (sequence parallelism with experts)."""
+
+    def __init__(self):
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        dist = torch.distributed
+        sizes = {t.shape[0] for t in tensor_list} | {tensor.shape[0]}
+        if len(sizes) == 1:
+            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
+        padded = [tensor.new_empty((longest,) + tuple(tensor.shape[1:])) for _ in tensor_list]
+        dist.all_gather(padded, torch.cat([tensor, pad]).contiguous(), group=group)
+        for out, full in zip(tensor_list, padded):
+            out.copy_(full[: out.shape[0]])
+        return _DoneWork() if async_op else None
+
+    @staticmethod
+    def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+        dist = torch.distributed
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM if op is None else op, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        output.copy_(flat[start: start + input_list[rank].numel()].view_as(output))
+        return _DoneWork() if async_op else None
+
+
 class _TorchProxy(types.ModuleType):
     """``torch`` as seen by megatron-core modules on CPU."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = _CpuCudaNamespace()
+        self.distributed = _GlooDistributed()
         for name in _FACTORIES:
             setattr(self, name, _factory_on_cpu(getattr(torch, name)))
 
@@ -622,6 +660,15 @@ _METHODS_CHECKING_CUDA_TYPES = (
 )
 
 # (modules, function name, CPU replacement), patched in every listed module's namespace.
+def _cpu_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's ``moe_utils.maybe_move_tensor_to_cpu`` turns the MoE all-to-all split
+    sizes into numpy arrays only when they start on a GPU; on CPU they stay tensors, which
+    ``all_to_all_single`` refuses as split sizes. The same conversion for CPU tensors."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 _CPU_FUNCTIONS = (
     (("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings"),
      "dist_reduce_scatter_func", _gloo_reduce_scatter_tensor),
@@ -634,6 +681,8 @@ _CPU_FUNCTIONS = (
      _cpu_clip_grad_by_total_norm_fp32),
     (("megatron.core.tensor_parallel.random",), "_get_cuda_rng_state", _cpu_get_rng_state),
     (("megatron.core.tensor_parallel.random",), "_set_cuda_rng_state", _cpu_set_rng_state),
+    (("megatron.core.transformer.moe.token_dispatcher",), "maybe_move_tensor_to_cpu",
+     _cpu_move_tensor_to_cpu),
 )
 
 
@@ -689,6 +738,17 @@ def install_megatron_cpu_shim() -> bool:
     _SHIM_INSTALLED = True
     logger.debug("megatron CPU shim installed in %d modules", patched)
     return True
+
+
+def megatron_moe_without_te() -> None:
+    """megatron-core 0.16's MoE router gating (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None``, a name bound only when TransformerEngine imports: without
+    TE (CPU, or a GPU with the local spec) the router raises NameError. Bind it to None, which
+    selects megatron's own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _keep_cpu_tracker(*_args, **_kwargs):

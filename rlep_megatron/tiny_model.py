@@ -6,7 +6,7 @@ byte (so every digit, operator, letter and newline is its own token and any text
 plus ChatML special tokens and a chat template. It loads with ``transformers``
 ``AutoModelForCausalLM``/``AutoTokenizer`` and with vLLM. The same seed gives identical files.
 
-Run: ``python tools/make_tiny_model.py --out-dir D [--seed S] [--arch qwen2|qwen3|llama]``.
+Run: ``python tools/make_tiny_model.py --out-dir D [--seed S] [--arch qwen2|qwen3|qwen3_moe|llama]``.
 """
 from __future__ import annotations
 
@@ -30,10 +30,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama")
 # Qwen3's head_dim need not be hidden / heads (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128): the
 # tiny Qwen3 keeps that property
 QWEN3_HEAD_DIM = 64
+# the tiny Qwen3-MoE: 8 experts, top-2, renormalised gates (Qwen3-30B-A3B: 128 experts, top-8),
+# every layer sparse except the first (mlp_only_layers) so that both layer kinds are exercised
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+                 router_aux_loss_coef=0.001, output_router_logits=False)
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ def build_tokenizer():
 
 
 def build_hf_config(arch: str, shape: TinyModelShape, eos_id: int, pad_id: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=shape.vocab_size,
@@ -121,6 +126,10 @@ def build_hf_config(arch: str, shape: TinyModelShape, eos_id: int, pad_id: int):
         return Qwen3Config(tie_word_embeddings=False, rope_theta=1_000_000.0,
                            use_sliding_window=False, attention_bias=False,
                            **{**common, "head_dim": QWEN3_HEAD_DIM})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(tie_word_embeddings=False, rope_theta=1_000_000.0,
+                              use_sliding_window=False, attention_bias=False,
+                              **{**common, "head_dim": QWEN3_HEAD_DIM}, **QWEN3_MOE)
     if arch == "llama":
         return LlamaConfig(tie_word_embeddings=False, rope_theta=500_000.0,
                            attention_bias=False, mlp_bias=False, **common)

@@ -196,6 +196,7 @@ class Trainer:
 
     def _build_parallel_and_models(self) -> None:
         from rlep_megatron.actor.model import build_from_hf
+        from rlep_megatron.models import layout_limits
         from rlep_megatron.models.megatron import build_model, resolve_dtype
         from rlep_megatron.checkpoint.dist import load_mcore_weights
         from rlep_megatron.actor.optimizer import (build_optimizer,
@@ -205,9 +206,7 @@ class Trainer:
 
         cfg, hf = self.cfg, self.hf_config
         self.ctx = distributed.init_model_parallel(
-            cfg.parallel, seed=cfg.trainer.seed, num_attention_heads=hf["num_attention_heads"],
-            num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            num_layers=hf["num_hidden_layers"])
+            cfg.parallel, seed=cfg.trainer.seed, **layout_limits(hf))
         dtype = resolve_dtype(cfg.model.params_dtype)
         if cfg.model.mcore_dir:
             self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations,

@@ -50,6 +50,13 @@ def tiny_qwen3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory):
+    """The tiny Qwen3-MoE checkpoint (8 experts, top-2, renormalised gates, layer 0 dense)."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe"), seed=0,
+                           arch="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """The tiny Llama checkpoint (untied embeddings, no biases), seed 0."""
     return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-llama"), seed=0,

@@ -26,6 +26,7 @@ def main() -> int:
 
     from rlep_megatron import distributed
     from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
+    from rlep_megatron.models import layout_limits
     from rlep_megatron.models.megatron import build_model
     from rlep_megatron.actor.model import load_hf_weights
     from rlep_megatron.checkpoint.dist import load_mcore_weights
@@ -41,9 +42,7 @@ def main() -> int:
         distributed.init_model_parallel(
             ParallelConfig(tensor_model_parallel_size=args.tp,
                            pipeline_model_parallel_size=args.pp),
-            seed=0, num_attention_heads=hf_config.get("num_attention_heads"),
-            num_query_groups=hf_config.get("num_key_value_heads"),
-            num_layers=hf_config.get("num_hidden_layers"))
+            seed=0, **layout_limits(hf_config))
         dtype = hf_dtype(hf_config)
         chunks, info = build_model(hf_config, dtype)
         if args.mcore_dir:

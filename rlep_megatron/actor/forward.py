@@ -107,13 +107,13 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         batch = next(data_iterator)
         ids = batch["input_ids"].to(device)
         packed = "cu_seqlens" in batch
-        extra = ({"packed_seq_params": packing.packed_seq_params(
-            {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")})} if packed else {})
-        output = model(ids, batch["position_ids"].to(device), attention_mask=None, **extra)
+        output = packing.run_model(
+            model, ids, batch["position_ids"].to(device),
+            {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")} if packed else None)
 
         def collect(logits):
             logp, entropy = vocab_parallel_logprobs(
-                logits[:, :-1], ids[:, 1:], info.dims.vocab_size, tp_rank, tp_group,
+                logits[:, :ids.shape[1] - 1], ids[:, 1:], info.dims.vocab_size, tp_rank, tp_group,
                 temperature, with_entropy)
             zeros = torch.zeros(ids.shape[0], 1, dtype=logp.dtype, device=logp.device)
             values = {"logp": torch.cat([zeros, logp], dim=1).detach()}
@@ -133,7 +133,8 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
             model=chunks if interleaved else chunks[0], num_microbatches=len(batches),
-            forward_only=True, **shape)
+            forward_only=True, **{**shape, "seq_length": packing.schedule_seq_length(
+                shape["seq_length"], chunks[0])})
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     result = {}

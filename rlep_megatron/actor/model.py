@@ -16,14 +16,16 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str, info: ActorModel
 
     reader = SafetensorsReader(hf_dir)
     rules = architecture_for(info.hf_config).rules(info.hf_config)
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    # experts' matrices are split over the expert-tensor-parallel group
+    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
     for chunk in chunks:
-        for name, param, rule, layer in iter_params_with_rules(chunk, rules):
+        for name, param, rule, layer, expert in iter_params_with_rules(chunk, rules):
+            tp_rank, tp_size = etp if rule.per_expert else tp
             if rule.tp_dim is not None and tp_size > 1 and not getattr(
                     param, "tensor_model_parallel", False):
                 raise AssertionError(f"{name} is TP-sharded but not marked tensor_model_parallel")
-            hf_names = [n.format(layer=layer) for n in rule.hf_names]
+            hf_names = rule.hf_names_at(layer, expert)
             tensors = [reader.get(n) for n in hf_names]
             full = layout.hf_to_full(rule, tensors, info.dims, info.padded_vocab_size)
             local = layout.shard(rule, full, tp_rank, tp_size)

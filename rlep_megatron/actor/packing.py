@@ -122,3 +122,38 @@ def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
     flat = values.reshape(-1)
     gathered = flat[batch["unpack_index"]]
     return torch.where(batch["unpack_valid"], gathered, torch.zeros_like(gathered))
+
+
+def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              packed: Optional[dict] = None):
+    """``model(input_ids, position_ids)`` (THD-packed when ``packed`` holds the micro-batch's
+    ``cu_seqlens`` / ``max_seqlen``). With sequence parallelism the token count must be a
+    multiple of the TP size: the micro-batch is extended on the right (padded rows: pad
+    tokens at the following positions; a pack: one filler sequence), which changes no earlier
+    token's output under causal attention. The last stage's logits then have extra trailing
+    columns: callers read the first ``input_ids.shape[1]`` only."""
+    config = model.config
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    length = input_ids.shape[1]
+    extra = -length % multiple
+    if extra:
+        input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+        if packed is None:
+            tail = position_ids[:, -1:] + torch.arange(1, extra + 1, device=position_ids.device)
+        else:
+            tail = torch.arange(extra, device=position_ids.device).unsqueeze(0)
+            bounds = packed["cu_seqlens"].to(torch.int32)
+            packed = {"cu_seqlens": torch.cat([bounds, bounds[-1:] + extra]),
+                      "max_seqlen": torch.clamp(packed["max_seqlen"], min=extra)}
+        position_ids = torch.cat([position_ids, tail.expand(position_ids.shape[0], -1)], dim=1)
+    extra_kwargs = {"packed_seq_params": packed_seq_params(packed)} if packed else {}
+    return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)
+
+
+def schedule_seq_length(longest: int, model: torch.nn.Module) -> int:
+    """The sequence length to give megatron's schedule for micro-batches of at most
+    ``longest`` tokens (rounded up to a multiple of TP under sequence parallelism, like
+    :func:`run_model`)."""
+    config = model.config
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return -(-longest // multiple) * multiple

@@ -177,13 +177,13 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     def forward_step(data_iterator, model):
         mb = {k: v.to(device) for k, v in next(data_iterator).items()}
         packed = "cu_seqlens" in mb
-        extra = {"packed_seq_params": packing.packed_seq_params(mb)} if packed else {}
-        output = model(mb["input_ids"], mb["position_ids"], attention_mask=None, **extra)
+        output = packing.run_model(model, mb["input_ids"], mb["position_ids"],
+                                   mb if packed else None)
 
         def loss_func(logits):
             # the entropy is always reported; it needs autograd only as a loss term
             logp, entropy = vocab_parallel_logprobs(
-                logits[:, :-1], mb["input_ids"][:, 1:], info.dims.vocab_size, tp_rank,
+                logits[:, :mb["input_ids"].shape[1] - 1], mb["input_ids"][:, 1:], info.dims.vocab_size, tp_rank,
                 tp_group, temperature, with_entropy=True,
                 entropy_grad=algo.entropy_coef != 0.0)
             zeros = torch.zeros_like(logp[:, :1])
@@ -210,7 +210,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         data_iterator=[iter(micro_batches) for _ in chunks] if interleaved
         else iter(micro_batches),
         model=chunks if interleaved else chunks[0], num_microbatches=len(micro_batches),
-        forward_only=False, **schedule_shape)
+        forward_only=False, **{**schedule_shape, "seq_length": packing.schedule_seq_length(
+            schedule_shape["seq_length"], chunks[0])})
     applied, grad_norm = optimizer.step()
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True),
                               with_kl=batch.ref_logp is not None)

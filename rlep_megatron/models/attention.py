@@ -73,3 +73,37 @@ def packed_local_attention():
     if _PACKED_LOCAL_ATTENTION is None:
         _PACKED_LOCAL_ATTENTION = _local_attention_class()
     return _PACKED_LOCAL_ATTENTION
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """The local spec's RMSNorm, usable with sequence parallelism. megatron-core's
+    ``WrappedTorchNorm`` refuses ``sequence_parallel`` because it does not mark its weight:
+    with the sequence split over the TP ranks each rank's norm sees other tokens, and the
+    weight's gradient must be summed over TP, which megatron's ``finalize_model_grads`` does
+    for parameters marked ``sequence_parallel``. This norm marks it (the per-head q/k norms,
+    which megatron already sums over TP, are the same class)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+def local_block_spec(config, vp_stage):
+    """This pipeline stage's local layer specs (megatron's block spec: dense and MoE layers
+    where ``config.moe_layer_freq`` puts them) with the packed attention and the norm above."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                       normalization="RMSNorm", vp_stage=vp_stage)
+    for layer_spec in block.layer_specs:
+        layer = layer_spec.submodules
+        attention = layer.self_attention.submodules
+        attention.core_attention = packed_local_attention()
+        for owner, field in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
+                             (attention, "q_layernorm"), (attention, "k_layernorm")):
+            if getattr(owner, field, None) is WrappedTorchNorm:
+                setattr(owner, field, SequenceParallelRMSNorm)
+    if block.layer_norm is WrappedTorchNorm:
+        block.layer_norm = SequenceParallelRMSNorm
+    return block

@@ -56,6 +56,15 @@ class ParamRule:
     def per_layer(self) -> bool:
         return "{layer}" in self.mcore_name
 
+    @property
+    def per_expert(self) -> bool:
+        """A mixture-of-experts expert's matrix (``{expert}`` = global expert index)."""
+        return "{expert}" in self.mcore_name
+
+    def hf_names_at(self, layer: Optional[int], expert: Optional[int] = None) -> list[str]:
+        """The HF tensor names of this rule at a global layer (and expert)."""
+        return [n.format(layer=layer, expert=expert) for n in self.hf_names]
+
 
 # ------------------------------------------------------------------------------ re-layouts
 
@@ -136,6 +145,9 @@ def gather(rule: ParamRule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
 # ------------------------------------------------------------------------------ names
 
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
+# TransformerEngine's grouped-GEMM experts: ``mlp.experts.linear_fc1.weight3`` is local expert 3
+_GROUPED_RE = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 # Names that differ when TransformerEngine's layer spec fuses the norms into the linears.
 _TE_RENAMES = {
@@ -149,6 +161,10 @@ def canonical_name(mcore_name: str) -> str:
     for local, te in _TE_RENAMES.items():
         if mcore_name.endswith(te):
             return mcore_name[: -len(te)] + local
+    grouped = _GROUPED_RE.search(mcore_name)
+    if grouped:
+        return (mcore_name[: grouped.start()]
+                + f".experts.local_experts.{grouped.group(2)}.{grouped.group(1)}.weight")
     return mcore_name
 
 
@@ -158,6 +174,16 @@ def split_layer(name: str) -> tuple[str, Optional[int]]:
     if not match:
         return name, None
     return name[: match.start()] + ".layers.{layer}." + name[match.end():], int(match.group(1))
+
+
+def split_expert(name: str) -> tuple[str, Optional[int]]:
+    """``...experts.local_experts.5.linear_fc1.weight`` -> (``...local_experts.{expert}...``,
+    5): the index local to this expert-parallel rank."""
+    match = _EXPERT_RE.search(name)
+    if not match:
+        return name, None
+    return (name[: match.start()] + ".local_experts.{expert}." + name[match.end():],
+            int(match.group(1)))
 
 
 def rule_index(rules: Sequence[ParamRule]) -> dict[str, ParamRule]:

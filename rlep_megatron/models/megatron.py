@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from rlep_megatron import platform
+from rlep_megatron import distributed, platform
 from rlep_megatron.models import architecture_for, layout, llama_family, spec_kwargs
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
                        pipeline_model_parallel_size: int, params_dtype: torch.dtype,
                        virtual_pipeline_model_parallel_size: Optional[int] = None,
                        recompute_activations: bool = False, use_te: bool = False,
-                       on_meta_device: bool = False):
+                       on_meta_device: bool = False, expert_model_parallel_size: int = 1,
+                       sequence_parallel: bool = False):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -61,6 +62,7 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        sequence_parallel=sequence_parallel and tensor_model_parallel_size > 1,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
@@ -80,14 +82,23 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         # micro-batches are cut by a token budget, so their shapes differ; pipeline stages
         # exchange shapes before activations
         variable_seq_lengths=True,
-        # megatron refuses variable lengths with the default MoE dispatcher even for dense
-        # models; the dispatcher is unused here
+        # the all-to-all MoE token dispatcher (megatron refuses variable lengths with its
+        # default all-gather one, even for dense models, which never use it)
         moe_token_dispatcher_type="alltoall",
     )
     if recompute_activations:
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
     kwargs.update(arch.transformer_kwargs(hf_config))
+    if kwargs.get("num_moe_experts"):
+        kwargs.update(
+            expert_model_parallel_size=expert_model_parallel_size,
+            # TransformerEngine's grouped GEMM runs all local experts at once; the local spec
+            # loops over them (SequentialMLP)
+            moe_grouped_gemm=use_te,
+            # the aux loss and z-loss are off for RL (options of the training config)
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_z_loss_coeff=None)
     kwargs.update(platform.megatron_config_overrides())
     return TransformerConfig(**kwargs)
 
@@ -115,17 +126,17 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
     if not on_meta_device:
         platform.report_layer_spec(use_te)
     config = transformer_config(hf_config, tp, pp, params_dtype, vpp, recompute_activations,
-                                use_te, on_meta_device)
-    if use_te:
+                                use_te, on_meta_device,
+                                ps.get_expert_model_parallel_world_size(),
+                                distributed.sequence_parallel())
+    if config.num_moe_experts:
+        platform.megatron_moe_without_te()
+    if use_te and not config.num_moe_experts:
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
         spec = get_gpt_layer_with_transformer_engine_spec(**spec_kwargs(arch, hf_config))
     else:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from rlep_megatron.models.attention import packed_local_attention
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", **spec_kwargs(arch, hf_config))
-        # the local attention with THD-packed sequences (sequence packing, actor/packing.py)
-        spec.submodules.self_attention.submodules.core_attention = packed_local_attention()
+        spec = None  # per stage below: megatron's block spec places the dense and MoE layers
     padded = layout.padded_vocab_size(dims.vocab_size, tp)
     chunks = []
     device = torch.device("meta") if on_meta_device else _current_device()
@@ -133,7 +144,8 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
         stage = vp_stage if vpp else None
         with device:
             chunk = GPTModel(
-                config=config, transformer_layer_spec=spec, vocab_size=padded,
+                config=config, vocab_size=padded,
+                transformer_layer_spec=spec or _block_spec(config, use_te, stage),
                 max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -144,6 +156,18 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
     info = ActorModelInfo(hf_config=hf_config, dims=dims, padded_vocab_size=padded,
                           params_dtype=params_dtype, use_te=use_te)
     return chunks, info
+
+
+def _block_spec(config, use_te: bool, vp_stage: Optional[int]):
+    """This pipeline stage's layer specs: TransformerEngine's for a mixture-of-experts model
+    (dense layers where ``config.moe_layer_freq`` says 0), the local ones
+    (:func:`attention.local_block_spec`) for every model without TE."""
+    if not use_te:
+        from rlep_megatron.models.attention import local_block_spec
+        return local_block_spec(config, vp_stage)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                      normalization="RMSNorm", vp_stage=vp_stage)
 
 
 def _params_to_dtype(chunk: torch.nn.Module, params_dtype: torch.dtype) -> None:
@@ -165,17 +189,23 @@ def _current_device() -> torch.device:
 
 
 def iter_params_with_rules(chunk: torch.nn.Module, rules: list[layout.ParamRule]):
-    """``(param, rule, global_layer)`` for every parameter of a chunk; global layer numbers come
-    from megatron's own ``layer_number`` (1-based), so PP and VPP offsets are megatron's."""
+    """``(name, param, rule, global_layer, global_expert)`` for every parameter of a chunk.
+    Global layer numbers come from megatron's own ``layer_number`` (1-based), so PP and VPP
+    offsets are megatron's; global expert indices from the MoE layer's
+    ``local_expert_indices`` (EP offsets are megatron's); ``global_expert`` is None outside
+    the experts."""
     by_name = layout.rule_index(rules)
-    layer_numbers = ([layer.layer_number - 1 for layer in chunk.decoder.layers]
-                     if hasattr(chunk, "decoder") else [])
+    layers = list(chunk.decoder.layers) if hasattr(chunk, "decoder") else []
     for name, param in chunk.named_parameters():
         template, local = layout.split_layer(layout.canonical_name(name))
+        template, local_expert = layout.split_expert(template)
         rule = by_name.get(template)
         if rule is None:
             raise ValueError(f"no HF mapping for megatron parameter {name!r}")
-        yield name, param, rule, (layer_numbers[local] if local is not None else None)
+        layer = layers[local] if local is not None else None
+        expert = (layer.mlp.local_expert_indices[local_expert]
+                  if local_expert is not None else None)
+        yield (name, param, rule, layer.layer_number - 1 if layer is not None else None, expert)
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

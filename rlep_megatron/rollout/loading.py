@@ -94,6 +94,7 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, s
     from rlep_megatron.models.megatron import build_model, resolve_dtype
     from rlep_megatron.checkpoint.dist import load_mcore_weights
     from rlep_megatron.checkpoint.hf_io import load_hf_config
+    from rlep_megatron.models import layout_limits
     from rlep_megatron.rollout import RolloutEngine
     from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 
@@ -101,10 +102,7 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, s
         raise ValueError("loading a training checkpoint needs model.hf_dir (the HF directory "
                          "the run started from: config and tokenizer)")
     hf = load_hf_config(cfg.model.hf_dir)
-    distributed.init_model_parallel(
-        cfg.parallel, seed=seed, num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-        num_layers=hf["num_hidden_layers"])
+    distributed.init_model_parallel(cfg.parallel, seed=seed, **layout_limits(hf))
     chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype),
                                transformer_engine=cfg.model.transformer_engine)
     load_mcore_weights(chunks, checkpoint, hf_config=hf)

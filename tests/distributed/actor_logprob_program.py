@@ -10,6 +10,7 @@ from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
 from rlep_megatron.config import ParallelConfig
+from rlep_megatron.models import layout_limits
 
 
 def main():
@@ -18,6 +19,8 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
@@ -28,10 +31,9 @@ def main():
     hf_config = load_hf_config(args.hf_dir)
     distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                       virtual_pipeline_model_parallel_size=args.vpp),
-        seed=0, num_attention_heads=hf_config["num_attention_heads"],
-        num_query_groups=hf_config["num_key_value_heads"],
-        num_layers=hf_config["num_hidden_layers"])
+                       virtual_pipeline_model_parallel_size=args.vpp,
+                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp),
+        seed=0, **layout_limits(hf_config))
     chunks, info = build_from_hf(args.hf_dir, args.dtype,
                                  transformer_engine=args.transformer_engine)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
@@ -39,7 +41,8 @@ def main():
                                lengths=lengths, pack_max_tokens=args.pack_max_tokens)
     from megatron.core import parallel_state as ps
 
-    if result is not None and ps.get_tensor_model_parallel_rank() == 0:
+    if (result is not None and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0):
         torch.save({"input_ids": input_ids, "lengths": lengths, **result,
                     "device": str(next(chunks[0].parameters()).device),
                     "transformer_engine": info.use_te}, args.out)
