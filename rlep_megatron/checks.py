@@ -11,6 +11,7 @@ reads, and ``checkpoint.resume``. Every problem found is reported, one line each
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
@@ -44,8 +45,11 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
 
     parallel = cfg.parallel
     heads = hf.get("num_attention_heads")
-    model_parallel = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
-                      * parallel.context_parallel_size)
+    # outside torchrun: the smallest world the layout fits (experts share the data-parallel
+    # ranks)
+    stage = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+    model_parallel = math.lcm(stage * parallel.context_parallel_size,
+                              stage * parallel.expert_model_parallel_size)
     world = int(os.environ.get("WORLD_SIZE", model_parallel))
     try:
         validate_parallel_layout(world, parallel, **layout_limits(hf))

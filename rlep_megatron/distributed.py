@@ -79,6 +79,10 @@ def validate_parallel_layout(world_size: int, parallel: ParallelConfig,
     if ep > 1 and num_experts is not None and not num_experts:
         raise ValueError(f"expert_model_parallel_size={ep} needs a mixture-of-experts model; "
                          "this one is dense: use 1")
+    if num_experts and tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(f"a mixture-of-experts model at tensor_model_parallel_size={tp} needs "
+                         "parallel.sequence_parallel=true (megatron-core's MoE layer trains "
+                         "only with it at TP > 1)")
     if num_experts and num_experts % ep:
         raise ValueError(f"expert_model_parallel_size={ep} does not divide the model's "
                          f"{num_experts} experts; choose a divisor of {num_experts}")

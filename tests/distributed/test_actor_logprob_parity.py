@@ -1,6 +1,7 @@
 """Megatron actor log-probs vs HF transformers (the independent reference), fp32, on the tiny
-Qwen2 (tied, QKV bias) and Llama (untied) checkpoints, at TP1xPP1, TP2xPP1, TP1xPP2, TP2xPP2
-(and PP2 x 2 virtual stages), on a right-padded batch of different lengths."""
+Qwen2 (tied, QKV bias), Llama (untied), Qwen3 and Qwen3-MoE checkpoints, at TP1xPP1, TP2xPP1,
+TP1xPP2, TP2xPP2 (and PP2 x 2 virtual stages), with expert and sequence parallelism, on a
+right-padded batch of different lengths (padded or packed micro-batches)."""
 import pytest
 import torch
 
@@ -20,11 +21,31 @@ PROGRAM = "tests/distributed/actor_logprob_program.py"
     # Qwen3: q/k norms over heads split by TP, head_dim != hidden / heads
     + [("qwen3", 1, 1, None), ("qwen3", 2, 2, None)])
 def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):
-    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    out = tmp_path / "logp.pt"
     extra = ["--vpp", str(vpp)] if vpp else []
-    run_torchrun(PROGRAM, tp * pp, ["--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp),
-                                    "--out", str(out), *extra])
+    check_against_transformers(request.getfixturevalue(f"tiny_{arch}_dir"), tp * pp,
+                               ["--tp", str(tp), "--pp", str(pp), *extra], tmp_path)
+
+
+# Qwen3-MoE (8 experts, top-2, layer 0 dense): experts split over EP ranks (tokens reach them
+# by all-to-all), over TP ranks with sequence parallelism (which megatron's MoE layer needs at
+# TP > 1), both on 4 ranks, and over pipeline stages; packed (THD) and padded batches.
+# Sequence parallelism on the dense Qwen2 (TP2, packed).
+@pytest.mark.parametrize("arch, nproc, args", [
+    ("qwen3_moe", 1, []),
+    ("qwen3_moe", 2, ["--ep", "2", "--pack-max-tokens", "64"]),
+    ("qwen3_moe", 4, ["--tp", "2", "--ep", "2", "--sp"]),
+    ("qwen3_moe", 4, ["--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
+    ("qwen2", 2, ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
+], ids=["moe-ep1", "moe-ep2-packed", "moe-tp2-ep2-sp", "moe-pp2-ep2-packed", "qwen2-tp2-sp-packed"])
+def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, args, request,
+                                                                  tmp_path):
+    check_against_transformers(request.getfixturevalue(f"tiny_{arch}_dir"), nproc, args,
+                               tmp_path)
+
+
+def check_against_transformers(hf_dir, nproc, args, tmp_path):
+    out = tmp_path / "logp.pt"
+    run_torchrun(PROGRAM, nproc, ["--hf-dir", hf_dir, "--out", str(out), *args])
     result = torch.load(out)
     reference = hf_token_logprobs(hf_dir, result["input_ids"], result["lengths"])
     diff = max_abs_logprob_diff(result["logp"], reference, result["lengths"])

@@ -192,7 +192,9 @@ MISTAKES = [  # (override, what the one line must say)
                                          "2128 is more than the model's max_position_embeddings "
                                          "(2048)"),
     ("model.hf_dir={other_arch}", "model_type 'gpt2' is not supported; supported: ['llama', "
-                                  "'qwen2', 'qwen3']"),
+                                  "'qwen2', 'qwen3', 'qwen3_moe']"),
+    ("parallel.expert_model_parallel_size=2", "expert_model_parallel_size=2 needs a "
+                                              "mixture-of-experts model; this one is dense"),
 ]
 
 

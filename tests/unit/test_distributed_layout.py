@@ -34,7 +34,8 @@ def test_bad_layouts_name_the_numbers(world, cfg, heads, groups, layers, needles
 @pytest.mark.parametrize("world, cfg, experts, needles", [
     (2, layout(ep=2), 0, ["expert_model_parallel_size=2", "dense"]),
     (4, layout(ep=4), 6, ["expert_model_parallel_size=4", "6 experts"]),
-    (4, layout(tp=2, ep=4), 8, ["world size 4", "expert_model_parallel_size (4)", "= 8"]),
+    (4, layout(tp=2, ep=4), 8, ["sequence_parallel=true", "tensor_model_parallel_size=2"]),
+    (4, layout(pp=2, ep=4), 8, ["world size 4", "expert_model_parallel_size (4)", "= 8"]),
 ])
 def test_bad_expert_layouts_name_the_numbers(world, cfg, experts, needles):
     with pytest.raises(ValueError) as err:
@@ -45,7 +46,9 @@ def test_bad_expert_layouts_name_the_numbers(world, cfg, experts, needles):
 
 def test_expert_parallelism_shares_ranks_with_data_parallelism():
     # EP2 x TP2 on 4 ranks: the dense part has DP 2, the experts are split in two
-    assert validate_parallel_layout(4, layout(tp=2, ep=2), 4, 2, 4, num_experts=8) == 2
+    cfg = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                         sequence_parallel=True)
+    assert validate_parallel_layout(4, cfg, 4, 2, 4, num_experts=8) == 2
 
 
 @pytest.mark.parametrize("override, needle", [
