@@ -57,6 +57,25 @@ def fit_to_schedule(groups: list[list[int]], chunks: list[torch.nn.Module]) -> l
     return [rows[bounds[i]:bounds[i + 1]] for i in range(target)]
 
 
+def match_expert_parallel_count(micro_batches: list, chunks: list[torch.nn.Module],
+                                filler: Optional[dict] = None) -> list:
+    """With expert parallelism every forward pass of a MoE layer exchanges tokens with the
+    other EP ranks (all-to-all), so they must run the same number of micro-batches, while
+    their data-parallel shares may need different counts. The count is agreed as the largest
+    over the data-parallel group (which holds the EP group) and the list is extended with
+    ``filler`` (default: a copy of the first micro-batch), whose results the callers ignore
+    (train steps pass one with no trained token). Without EP the list is returned as is."""
+    from megatron.core import parallel_state as ps
+
+    if (not getattr(chunks[0].config, "num_moe_experts", None)
+            or ps.get_expert_model_parallel_world_size() == 1):
+        return micro_batches
+    count = torch.tensor([float(len(micro_batches))])
+    distributed.all_reduce(count, "max", ps.get_data_parallel_group())
+    extra = int(count.item()) - len(micro_batches)
+    return micro_batches + [filler or micro_batches[0]] * extra
+
+
 def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
                       input_ids: torch.Tensor, micro_batch_size: int = 4,
                       temperature: float = 1.0, with_entropy: bool = False,
@@ -102,6 +121,9 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         batches = micro_batches(input_ids, groups,
                                 num_rows=max(len(g) for g in groups) if interleaved else 0)
         shape = {"seq_length": seq_len, "micro_batch_size": max(len(g) for g in groups)}
+
+    # results of micro-batches past len(groups) (fillers) are not read
+    batches = match_expert_parallel_count(batches, chunks)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)

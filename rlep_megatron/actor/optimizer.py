@@ -92,10 +92,24 @@ class ActorOptimizer:
                            grad_norm, self.num_skipped)
             return False, grad_norm
         if self.config.clip_grad > 0:
-            self.optimizer.clip_grad_norm(self.config.clip_grad)
+            self._clip(grad_norm)
         self.optimizer.step_with_ready_grads()
         self.num_steps += 1
         return True, grad_norm
+
+    def _clip(self, grad_norm: float) -> None:
+        """Scale every gradient by ``clip_grad / grad_norm`` when the total norm is larger. A
+        mixture-of-experts model has a chained optimizer (dense parameters and experts reduce
+        over different groups) whose parts clip by the total norm of both, as megatron's
+        ``ChainedOptimizer.step`` does."""
+        from megatron.core.optimizer import optimizer as mcore_optimizer
+
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = inner.get_parameters()
+            if params and not getattr(inner, "is_stub_optimizer", False):
+                mcore_optimizer.clip_grad_by_total_norm_fp32(
+                    params, max_norm=self.config.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
     def gather_params(self, chunks: list[torch.nn.Module]) -> None:
         """With ``overlap_param_gather`` the updated shards of the other data-parallel ranks

@@ -17,7 +17,7 @@ import torch
 
 from rlep_megatron import distributed
 from rlep_megatron.actor import packing
-from rlep_megatron.actor.forward import fit_to_schedule
+from rlep_megatron.actor.forward import fit_to_schedule, match_expert_parallel_count
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 from rlep_megatron.actor.optimizer import ActorOptimizer
@@ -168,6 +168,10 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         schedule_shape = {"seq_length": max(int(mb["input_ids"].shape[1])
                                             for mb in micro_batches),
                           "micro_batch_size": max(len(g) for g in groups)}
+    # the same number of micro-batches on every EP rank; a filler trains no token
+    micro_batches = match_expert_parallel_count(
+        micro_batches, chunks, {**micro_batches[0],
+                                "response_mask": torch.zeros_like(micro_batches[0]["response_mask"])})
     # token slots the model really processes (padded rows and columns, or the packs' fill)
     counts = global_counts(batch, sum(int(mb["input_ids"].numel()) for mb in micro_batches))
     global_tokens, global_sequences = counts["tokens"], counts["sequences"]

@@ -11,7 +11,10 @@ tensors unless one rule alone is larger):
    one flat buffer and all-gather it once over the tensor-parallel group;
 2. the owner re-lays the gathered shards out as HF tensors with the conversion tools' mapping
    tables (qkv split, gate/up split, vocabulary padding removed, tied output skipped);
-3. with PP > 1 the owner packs those tensors into one flat buffer and broadcasts it over the
+3. a mixture-of-experts model's routed experts are split over the expert-parallel ranks of
+   the stage: they all-gather their experts' HF tensors of the bucket in one flat buffer, so
+   each has every expert;
+4. with PP > 1 the owner packs those tensors into one flat buffer and broadcasts it over the
    pipeline group; the other stages unpack views of the same buffer.
 
 Buffers are fresh per bucket and never reused, so a consumer may keep references to the
@@ -53,10 +56,18 @@ class RuleEntry:
     local_shape: tuple[int, ...]
     tp_split: bool      # shards differ across TP ranks (gathered) or are replicated
     outputs: tuple[TensorSpec, ...]
+    # a routed expert's matrix: EP rank r holds another expert in its place; the outputs of
+    # every EP rank, in rank order (``outputs`` is this rank's)
+    expert_outputs: tuple[tuple[TensorSpec, ...], ...] = ()
+
+    @property
+    def all_outputs(self) -> tuple[TensorSpec, ...]:
+        """The HF tensors this entry yields on every rank (every EP rank's expert)."""
+        return tuple(o for per_rank in self.expert_outputs for o in per_rank) or self.outputs
 
     @property
     def nbytes(self) -> int:
-        return sum(o.numel for o in self.outputs) * _DTYPES[self.dtype].itemsize
+        return sum(o.numel for o in self.all_outputs) * _DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,15 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
+
+
+def _experts_per_rank(chunk: torch.nn.Module, expert: int) -> int:
+    """Routed experts per EP rank in the MoE layer holding global expert ``expert``."""
+    for layer in unwrap(chunk).decoder.layers:
+        indices = getattr(layer.mlp, "local_expert_indices", None)
+        if indices and expert in indices:
+            return len(indices)
+    raise ValueError(f"expert {expert} is not in this chunk")
 
 
 def plan_buckets(stage_entries: list[list[RuleEntry]], bucket_bytes: int) -> list[Bucket]:
@@ -108,22 +128,36 @@ class WeightStreamer:
         self._pp_rank = ps.get_pipeline_model_parallel_rank()
         self._pp_ranks = (torch.distributed.get_process_group_ranks(self._pp_group)
                           if self._pp_size > 1 else [torch.distributed.get_rank()])
+        self._ep_group = ps.get_expert_model_parallel_group()
+        self._ep_size = ps.get_expert_model_parallel_world_size()
+        self._ep_rank = ps.get_expert_model_parallel_rank()
         rules = architecture_for(info.hf_config).rules(info.hf_config)
         tied = bool(info.hf_config.get("tie_word_embeddings"))
         self._params: list[tuple[torch.nn.Parameter, layout.ParamRule, Optional[int]]] = []
         own: list[RuleEntry] = []
         for chunk in chunks:
-            for _, param, rule, layer in iter_params_with_rules(unwrap(chunk), rules):
+            for _, param, rule, layer, expert in iter_params_with_rules(unwrap(chunk), rules):
                 if tied and rule.mcore_name == "output_layer.weight":
                     continue  # vLLM ties lm_head to the embedding itself
+                # experts' matrices are split over the expert-tensor-parallel group, which is
+                # the TP group (megatron's default expert TP size)
                 tp_split = rule.tp_dim is not None and self._tp_size > 1
                 meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
                 full = layout.gather(rule, [meta] * (self._tp_size if tp_split else 1))
-                outputs = tuple(
-                    TensorSpec(name.format(layer=layer), tuple(t.shape))
-                    for name, t in zip(rule.hf_names, layout.full_to_hf(rule, full, info.dims)))
+                shapes = [tuple(t.shape) for t in layout.full_to_hf(rule, full, info.dims)]
+
+                def specs(expert_index):
+                    return tuple(TensorSpec(name, shape) for name, shape in
+                                 zip(rule.hf_names_at(layer, expert_index), shapes))
+
+                per_rank: tuple = ()
+                if expert is not None and self._ep_size > 1:
+                    # megatron places expert e on EP rank e // (experts per rank)
+                    local = expert - self._ep_rank * _experts_per_rank(chunk, expert)
+                    per_rank = tuple(specs(r * _experts_per_rank(chunk, expert) + local)
+                                     for r in range(self._ep_size))
                 own.append(RuleEntry(len(self._params), str(param.dtype), tuple(param.shape),
-                                     tp_split, outputs))
+                                     tp_split, specs(expert), per_rank))
                 self._params.append((param, rule, layer))
         if self._pp_size > 1:
             self.stage_entries: list[list[RuleEntry]] = distributed.all_gather_object(
@@ -135,7 +169,7 @@ class WeightStreamer:
     @property
     def names(self) -> list[str]:
         """Every HF tensor name the stream yields, in order."""
-        return [o.name for b in self.buckets for e in b.entries for o in e.outputs]
+        return [o.name for b in self.buckets for e in b.entries for o in e.all_outputs]
 
     @property
     def total_bytes(self) -> int:
@@ -171,20 +205,37 @@ class WeightStreamer:
                     for entry, piece in zip(split, torch.split(rank_buf, sizes)):
                         gathered.setdefault(entry.index, []).append(
                             piece.view(entry.local_shape))
-        tensors = []
+        tensors, experts = [], []
         for entry in bucket.entries:
             param, rule, _ = self._params[entry.index]
             shards = gathered.get(entry.index) or [param.detach()]
             full = layout.gather(rule, shards)
-            tensors.extend(layout.full_to_hf(rule, full, self.info.dims))
-        return tensors
+            hf = layout.full_to_hf(rule, full, self.info.dims)
+            tensors.append(hf)
+            if entry.expert_outputs:
+                experts.extend(hf)
+        if experts:
+            # every EP rank of the stage holds other experts in the same places: one
+            # all-gather of their flat HF tensors gives each rank all of them
+            flat = torch.cat([t.reshape(-1) for t in experts])
+            out = torch.empty(self._ep_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+            distributed.all_gather(list(out.chunk(self._ep_size)), flat, group=self._ep_group)
+            del flat
+            by_rank = [iter(torch.split(rank_buf, [t.numel() for t in experts]))
+                       for rank_buf in out.chunk(self._ep_size)]
+            for position, entry in enumerate(bucket.entries):
+                if entry.expert_outputs:
+                    shapes = [o.shape for o in entry.outputs]
+                    tensors[position] = [next(by_rank[r]).view(shape)
+                                         for r in range(self._ep_size) for shape in shapes]
+        return [t for hf in tensors for t in hf]
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, full tensor)`` for every HF tensor of the model, on every rank, in the
-        same order. Collective over the TP and PP groups: every rank must drain it."""
+        same order. Collective over the TP, EP and PP groups: every rank must drain it."""
         device = self._device()
         for bucket in self.buckets:
-            specs = [o for e in bucket.entries for o in e.outputs]
+            specs = [o for e in bucket.entries for o in e.all_outputs]
             if self._pp_size == 1:
                 for spec, tensor in zip(specs, self._gather_bucket(bucket)):
                     yield spec.name, tensor

@@ -50,6 +50,8 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
     parser.add_argument("--micro-batch-max-tokens", type=int, default=40)
     parser.add_argument("--distributed-optimizer", action="store_true",
@@ -66,7 +68,8 @@ def main():
     args = parser.parse_args()
     ctx = distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                       virtual_pipeline_model_parallel_size=args.vpp),
+                       virtual_pipeline_model_parallel_size=args.vpp,
+                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp),
         seed=0)
     chunks, info = build_from_hf(args.hf_dir, args.dtype, recompute_activations=args.recompute,
                                  transformer_engine=args.transformer_engine)
