@@ -778,6 +778,27 @@ def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module, tied: bool) -> in
     return refreshed
 
 
+def refresh_vllm_cpu_moe_kernels(model: torch.nn.Module) -> int:
+    """After an in-place weight reload on vLLM's CPU backend, prepack every MoE layer's expert
+    weights again. The CPU experts keep ``w13_weight`` / ``w2_weight`` in their grouped-GEMM
+    layout, made by their ``process_weights_after_loading`` when the model loads; on a weight
+    update vLLM 0.32's unquantized MoE method copies the new (checkpoint-layout) weights into
+    the parameters but skips that prepacking, so the kernel would read unpacked matrices as
+    packed ones (log-probs off by about 1e-2 on the tiny MoE). Running the experts' own
+    processing again packs the freshly loaded weights. No-op with CUDA or without MoE layers.
+    Returns the number of layers refreshed."""
+    if cuda_available():
+        return 0
+    refreshed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
+
+
 def vllm_cpu_engine_settings(max_model_len: int) -> dict:
     """Extra ``vllm.LLM`` arguments on vLLM's CPU backend (empty with CUDA); also sets the KV
     cache size variable the CPU backend reads (GiB) unless the user set it.

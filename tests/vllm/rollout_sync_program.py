@@ -19,6 +19,7 @@ from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig, RolloutConfig
+from rlep_megatron.models import layout_limits, num_experts
 from rlep_megatron.rollout import RolloutEngine, StaleWeightsError
 from rlep_megatron.actor.forward import actor_logprobs_everywhere
 from rlep_megatron.rollout.parity import probe
@@ -65,7 +66,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--rollout-tp", type=int, default=1)
-    parser.add_argument("--layouts", default="1x1", help="comma-separated actor TPxPP")
+    parser.add_argument("--layouts", default="1x1",
+                        help="comma-separated actor TPxPP or TPxPPxEP")
     parser.add_argument("--bucket-bytes", type=int, default=96 * 1024)
     parser.add_argument("--fail-sync", action="store_true")
     parser.add_argument("--sleep-cycle", action="store_true",
@@ -94,13 +96,14 @@ def main():
     report["finish_reasons"] = sorted({r.finish_reason for g in first for r in g})
     report["eos_token_id"] = engine.eos_token_id
 
-    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
-    for number, (tp, pp) in enumerate(layouts):
+    layouts = [item.split("x") for item in args.layouts.split(",")]
+    for number, sizes in enumerate(layouts):
+        tp, pp, ep = (int(x) for x in sizes + ["1"] * (3 - len(sizes)))
+        moe = num_experts(hf_config) > 0
         ctx = distributed.init_model_parallel(
-            ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-            seed=number, num_attention_heads=hf_config["num_attention_heads"],
-            num_query_groups=hf_config["num_key_value_heads"],
-            num_layers=hf_config["num_hidden_layers"])
+            ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                           expert_model_parallel_size=ep, sequence_parallel=moe and tp > 1),
+            seed=number, **layout_limits(hf_config))
         chunks, info = build_from_hf(args.hf_dir, args.dtype)
         optim_cfg = OptimConfig(lr=2e-2, lr_warmup_steps=0, weight_decay=0.0, clip_grad=1.0)
         chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
@@ -156,9 +159,9 @@ def main():
             cycled = engine.generate(prompts, seed=51 + number)
             entry["memory_after_generate"] = engine.memory_state()
             entry["parity_after_sleep"] = probe(chunks, info, prompts, cycled, PAD)
-        report["layouts"][f"{tp}x{pp}"] = entry
+        report["layouts"]["x".join(sizes)] = entry
         if rank == 0:
-            print(f"layout TP{tp}xPP{pp}: {json.dumps(entry)}", flush=True)
+            print(f"layout TP{tp}xPP{pp}xEP{ep}: {json.dumps(entry)}", flush=True)
 
     if rank == 0:
         with open(args.out, "w") as f:

@@ -79,6 +79,15 @@ def test_qwen3_actor_tp2_rollout_tp2(tmp_path, tiny_qwen3_dir):
     check_layouts(report, ["2x1"])
 
 
+def test_qwen3_moe_actor_ep2_and_tp2_rollout_tp1(tmp_path, tiny_qwen3_moe_dir):
+    """Every expert of the tiny Qwen3-MoE into vLLM's MoE layers: from one actor rank, from
+    experts split over 2 EP ranks (all-gathered in the stream) and from TP2 with sequence
+    parallelism (each expert's matrices split over TP), into two rollout replicas."""
+    report = run_program(tmp_path, tiny_qwen3_moe_dir, 2, 1, "1x1,1x1x2,2x1")
+    check_sampling(report, dp_size=2)
+    check_layouts(report, ["1x1", "1x1x2", "2x1"])
+
+
 def test_extension_methods_do_not_shadow_vllm_worker():
     from vllm.v1.worker.worker_base import WorkerBase
     from vllm.v1.worker.gpu_worker import Worker
