@@ -20,13 +20,15 @@ def main() -> int:
                         help="megatron dist checkpoint to check (default: load --hf-dir)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size (mixture-of-experts models)")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="max |delta logprob| allowed (default 1e-4 fp32, 5e-2 bf16/fp16)")
     args = parser.parse_args()
 
     from rlep_megatron import distributed
     from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
-    from rlep_megatron.models import layout_limits
+    from rlep_megatron.models import layout_limits, num_experts
     from rlep_megatron.models.megatron import build_model
     from rlep_megatron.actor.model import load_hf_weights
     from rlep_megatron.checkpoint.dist import load_mcore_weights
@@ -41,7 +43,10 @@ def main() -> int:
         hf_config = load_hf_config(args.hf_dir)
         distributed.init_model_parallel(
             ParallelConfig(tensor_model_parallel_size=args.tp,
-                           pipeline_model_parallel_size=args.pp),
+                           pipeline_model_parallel_size=args.pp,
+                           expert_model_parallel_size=args.ep,
+                           # megatron's MoE layer needs it at TP > 1
+                           sequence_parallel=args.tp > 1 and num_experts(hf_config) > 0),
             seed=0, **layout_limits(hf_config))
         dtype = hf_dtype(hf_config)
         chunks, info = build_model(hf_config, dtype)
@@ -68,7 +73,7 @@ def main() -> int:
     tolerance = args.tolerance or (1e-4 if dtype == torch.float32 else 5e-2)
     ok = diff.item() <= tolerance
     if torch.distributed.get_rank() == 0:
-        print(f"verify_conversion: TP={args.tp} PP={args.pp} max |delta logprob| = "
+        print(f"verify_conversion: TP={args.tp} PP={args.pp} EP={args.ep} max |delta logprob| = "
               f"{diff.item():.3e} (tolerance {tolerance:.1e}): {'OK' if ok else 'FAIL'}")
     distributed.destroy()
     return 0 if ok else 1

@@ -97,8 +97,8 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, show_progress: bool = True) -
         rules = arch.rules(hf_config)
         dtype = hf_dtype(hf_config)
 
-        def materialize(rule, layer):
-            names = [n.format(layer=layer) for n in rule.hf_names]
+        def materialize(rule, layer, expert):
+            names = rule.hf_names_at(layer, expert)
             tensors = [reader.get(n) for n in names]
             for name, tensor in zip(names, tensors):
                 if tensor.dtype != dtype:
@@ -155,14 +155,15 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[st
         writer = _ShardWriter(staging, max_shard_bytes, save_file)
         num_bytes, count = 0, 0
         params = iter_checkpoint_params(skeleton, rules, resolve_mcore_dir(mcore_dir))
-        for _name, rule, layer, full in progress(params, total=sum(1 for _ in
+        for _name, rule, layer, expert, full in progress(params, total=sum(1 for _ in
                                                                    skeleton.parameters()),
                                                  desc="megatron -> HF", unit="tensor",
                                                  enabled=show_progress):
             if tied and rule.mcore_name == "output_layer.weight":
                 continue  # the HF checkpoint of a tied model has no lm_head
-            for hf_name, tensor in zip(rule.hf_names, layout.full_to_hf(rule, full, info.dims)):
-                writer.add(hf_name.format(layer=layer), tensor)
+            for hf_name, tensor in zip(rule.hf_names_at(layer, expert),
+                                       layout.full_to_hf(rule, full, info.dims)):
+                writer.add(hf_name, tensor)
                 num_bytes += tensor.numel() * tensor.element_size()
                 count += 1
             del full

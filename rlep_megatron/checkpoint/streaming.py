@@ -24,17 +24,20 @@ import torch
 
 from rlep_megatron.models import layout
 
-Materialize = Callable[[layout.ParamRule, Optional[int]], torch.Tensor]
-"""``(rule, global layer) -> unsharded megatron tensor`` of one parameter."""
+Materialize = Callable[[layout.ParamRule, Optional[int], Optional[int]], torch.Tensor]
+"""``(rule, global layer, global expert) -> unsharded megatron tensor`` of one parameter."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
-    """One parameter of the skeleton: its rule, global layer and sharded state-dict entry."""
+    """One parameter of the skeleton: its rule, global layer (and expert) and sharded
+    state-dict entry. A routed expert's matrix is one slice of a checkpoint tensor stacked
+    over the layer's experts (leading axis: the global expert index)."""
 
     name: str
     rule: layout.ParamRule
     layer: Optional[int]
+    expert: Optional[int]
     sharded: object  # ShardedTensor or ShardedTensorFactory with meta data
 
 
@@ -46,10 +49,10 @@ def skeleton_entries(skeleton: torch.nn.Module, rules: list[layout.ParamRule],
 
     sharded = skeleton.sharded_state_dict() if sharded is None else sharded
     entries = []
-    for name, _param, rule, layer in iter_params_with_rules(skeleton, rules):
+    for name, _param, rule, layer, expert in iter_params_with_rules(skeleton, rules):
         if name not in sharded:
             raise KeyError(f"{name} has no entry in the model's sharded state dict")
-        entries.append(_Entry(name, rule, layer, sharded[name]))
+        entries.append(_Entry(name, rule, layer, expert, sharded[name]))
     return entries
 
 
@@ -63,6 +66,15 @@ def _chunk_of(full: torch.Tensor, offsets, sizes) -> torch.Tensor:
     return full[index].reshape(tuple(sizes)).contiguous()
 
 
+def _stack_index(entry: _Entry) -> tuple[Optional[int], Optional[int]]:
+    """Where a parameter sits among the parameters that share its checkpoint tensor:
+    ``(layer, expert)``. A homogeneous model's layers are stacked in one tensor per parameter
+    (megatron's key has no layer number; leading axis: the layer); a model with dense and MoE
+    layers has one tensor per layer. A layer's routed experts are stacked (next axis)."""
+    per_layer_key = layout.split_layer(entry.sharded.key)[1] is not None
+    return (None if per_layer_key else entry.layer, entry.expert)
+
+
 def save_streaming(skeleton: torch.nn.Module, rules: list[layout.ParamRule],
                    materialize: Materialize, out_dir: str,
                    on_tensor: Optional[Callable[[str], None]] = None) -> None:
@@ -73,22 +85,25 @@ def save_streaming(skeleton: torch.nn.Module, rules: list[layout.ParamRule],
 
     sharded = skeleton.sharded_state_dict()
     entries = skeleton_entries(skeleton, rules, sharded)
-    by_key = {}
+    by_key: dict = {}
     for entry in entries:
-        by_key.setdefault(entry.sharded.key, {})[entry.layer] = entry
+        by_key.setdefault(entry.sharded.key, {})[_stack_index(entry)] = entry
     cache: dict = {}
 
     def chunk_data(key: str, offsets, sizes) -> torch.Tensor:
         if key not in by_key:
             raise KeyError(f"checkpoint tensor {key!r} is not a model parameter")
-        layers = by_key[key]
-        layer = offsets[0] if None not in layers else None
-        entry = layers[layer]
-        if cache.get("id") != (key, layer):
+        stacked = by_key[key]
+        # leading offsets: the layer (layers stacked in one tensor), then the expert
+        layer_axis = any(layer is not None for layer, _ in stacked)
+        expert_axis = any(expert is not None for _, expert in stacked)
+        entry = stacked[(offsets[0] if layer_axis else None,
+                         offsets[int(layer_axis)] if expert_axis else None)]
+        if cache.get("id") != entry.name:
             # chunks of one parameter (gate and up of linear_fc1) are written one after the
             # other: keep the last parameter's tensor for the next chunk
             cache.clear()
-            cache.update(id=(key, layer), full=materialize(entry.rule, entry.layer))
+            cache.update(id=entry.name, full=materialize(entry.rule, entry.layer, entry.expert))
             if on_tensor is not None:
                 on_tensor(entry.name)
         return _chunk_of(cache["full"], offsets, sizes)
@@ -172,8 +187,10 @@ def _read_boxes(mcore_dir: str, boxes: dict[str, tuple[tuple[int, ...], tuple[in
 
 def iter_checkpoint_params(skeleton: torch.nn.Module, rules: list[layout.ParamRule],
                            mcore_dir: str) -> Iterator[tuple[str, layout.ParamRule,
-                                                             Optional[int], torch.Tensor]]:
-    """``(name, rule, global layer, unsharded tensor)`` for every parameter of the skeleton,
+                                                             Optional[int], Optional[int],
+                                                             torch.Tensor]]:
+    """``(name, rule, global layer, global expert, unsharded tensor)`` for every parameter of
+    the skeleton,
     read from a dist checkpoint (saved at any TP/PP) one layer, or one non-layer tensor, at a
     time. Other entries of the checkpoint (a training checkpoint's optimizer state) are not
     read."""
@@ -192,10 +209,21 @@ def iter_checkpoint_params(skeleton: torch.nn.Module, rules: list[layout.ParamRu
         boxes = {}
         for entry in entries:
             shape = tuple(params[entry.name].shape)
-            stacked = len(storage[entry.sharded.key].size) - len(shape)  # the layer axis
-            offsets = (entry.layer,) * stacked + (0,) * len(shape)
-            boxes[entry.sharded.key] = (offsets, (1,) * stacked + shape)
+            saved = tuple(storage[entry.sharded.key].size)
+            layer, expert = _stack_index(entry)
+            lead = (layer,) if layer is not None else ()
+            # the layer's experts stacked: read them all at once
+            box = (lead + (0,) * (len(saved) - len(lead)),
+                   (1,) * len(lead) + (saved[len(lead):] if expert is not None else shape))
+            boxes[entry.sharded.key] = box
         loaded = _read_boxes(mcore_dir, boxes, storage)
         for entry in entries:
-            yield (entry.name, entry.rule, entry.layer,
-                   loaded.pop(entry.sharded.key).reshape(params[entry.name].shape))
+            layer, expert = _stack_index(entry)
+            tensor = loaded[entry.sharded.key]
+            if layer is not None:
+                tensor = tensor[0]
+            if expert is not None:
+                tensor = tensor[expert]
+            yield (entry.name, entry.rule, entry.layer, entry.expert,
+                   tensor.reshape(params[entry.name].shape))
+        del loaded

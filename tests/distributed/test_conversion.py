@@ -42,7 +42,7 @@ def assert_bit_exact(reference_dir, candidate_dir):
         assert torch.equal(tensor.view(torch.uint8), other.view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "llama"])
 def test_round_trip_is_bit_exact_single_and_sharded(arch, request, tmp_path):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     mcore, back, sharded = tmp_path / "mcore", tmp_path / "back", tmp_path / "sharded"
@@ -86,6 +86,25 @@ def test_converted_checkpoint_verifies_at_another_layout(tiny_qwen2_dir, tmp_pat
     with pytest.raises(AssertionError, match="FAIL"):
         run_torchrun("tools/verify_conversion.py", 2, ["--hf-dir", other, "--mcore-dir", mcore,
                                                        "--tp", "2"])
+
+
+def test_converted_moe_checkpoint_verifies_with_experts_split(tiny_qwen3_moe_dir, tmp_path):
+    """The tiny Qwen3-MoE converted once, loaded with its experts split over 2 EP ranks and
+    over TP2 (sequence parallel), checked against transformers; another checkpoint's
+    weights fail."""
+    mcore = str(tmp_path / "mcore")
+    assert tool("tools/convert_hf_to_mcore.py", "--hf-dir", tiny_qwen3_moe_dir,
+                "--out-dir", mcore).returncode == 0
+    for args in (["--ep", "2"], ["--tp", "2"]):
+        proc = run_torchrun("tools/verify_conversion.py", 2,
+                            ["--hf-dir", tiny_qwen3_moe_dir, "--mcore-dir", mcore, *args])
+        assert "OK" in proc.stdout, proc.stdout
+    from rlep_megatron.tiny_model import make_tiny_model
+
+    other = make_tiny_model(str(tmp_path / "other"), seed=1, arch="qwen3_moe")
+    with pytest.raises(AssertionError, match="FAIL"):
+        run_torchrun("tools/verify_conversion.py", 2, ["--hf-dir", other, "--mcore-dir", mcore,
+                                                       "--ep", "2"])
 
 
 def test_tp_that_does_not_divide_heads_is_refused(tiny_qwen2_dir):
