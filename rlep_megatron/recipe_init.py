@@ -18,6 +18,7 @@ from typing import Optional
 import yaml
 
 from rlep_megatron.staging import write_file_atomic
+from rlep_megatron.models import num_experts
 
 
 def template_name(gpus: int, nodes: int, pool: bool) -> str:
@@ -85,6 +86,10 @@ def make_recipe(model_dir: str, train_files: list[str], val_files: list[str], gp
         raw["parallel"]["pipeline_model_parallel_size"] = 1
         notes.append("parallel.pipeline_model_parallel_size -> 1 (the template's did not fit "
                      f"{world} GPUs)")
+    if num_experts(hf) and raw["parallel"]["tensor_model_parallel_size"] > 1:
+        raw["parallel"]["sequence_parallel"] = True
+        notes.append("parallel.sequence_parallel -> true (a mixture-of-experts model at TP > 1 "
+                     "needs it); parallel.expert_model_parallel_size splits the experts")
     positions = hf.get("max_position_embeddings")
     prompt, response = raw["data"]["max_prompt_tokens"], raw["rollout"]["max_response_tokens"]
     if isinstance(positions, int) and prompt + response > positions:

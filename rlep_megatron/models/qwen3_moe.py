@@ -11,8 +11,9 @@ sparse unless it is listed in ``mlp_only_layers`` or ``(layer + 1) % decoder_spa
 
 Experts are split across ``parallel.expert_model_parallel_size`` ranks (expert ``e`` lives on
 EP rank ``e // (E / EP)``) and each expert's matrices across the expert-tensor-parallel group
-(megatron's default: the TP size). The load-balancing auxiliary loss and the router z-loss
-are off unless ``model.moe_aux_loss_coef`` / ``model.moe_z_loss_coef`` turn them on.
+(megatron's default: the TP size); at TP > 1 megatron's MoE layer trains only with sequence
+parallelism. The load-balancing auxiliary loss and the router z-loss are off (as RL peers run
+them; not configurable yet).
 """
 from __future__ import annotations
 

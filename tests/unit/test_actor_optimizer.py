@@ -1,6 +1,7 @@
 """ActorOptimizer's own logic (warmup schedule, non-finite skip) around a stand-in for the
 megatron optimizer that records what it is asked to do."""
 import math
+import types
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ class RecordingOptimizer:
         self.norms = list(norms)
         self.param_groups = [{"lr": None}]
         self.calls = []
+        self.params = []  # nothing to clip unless a test gives parameters
+        self.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
 
     def prepare_grads(self):
         self.calls.append("prepare")
@@ -24,15 +27,22 @@ class RecordingOptimizer:
     def get_grad_norm(self):
         return self.norms.pop(0)
 
-    def clip_grad_norm(self, clip):
-        self.calls.append(("clip", clip))
+    def get_parameters(self):
+        return self.params
 
     def step_with_ready_grads(self):
         self.calls.append(("step", self.param_groups[0]["lr"]))
 
 
-def test_warmup_then_constant_and_non_finite_skip():
+def test_warmup_then_constant_and_non_finite_skip(monkeypatch):
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
     inner = RecordingOptimizer([2.0, float("nan"), 3.0, float("inf"), 1.0, 0.5])
+    inner.params = ["param"]
+    # clipping scales by clip_grad / total norm, the norm measured before it
+    monkeypatch.setattr(mcore_optimizer, "clip_grad_by_total_norm_fp32",
+                        lambda params, max_norm, total_norm, use_decoupled_grad:
+                        inner.calls.append(("clip", max_norm, total_norm, tuple(params))))
     optimizer = ActorOptimizer(inner, OptimConfig(lr=1e-6, lr_warmup_steps=3, clip_grad=1.0,
                                                   lr_warmup_unit="optimizer_steps"))
     results = [optimizer.step() for _ in range(6)]
@@ -42,7 +52,8 @@ def test_warmup_then_constant_and_non_finite_skip():
     steps = [call[1] for call in inner.calls if isinstance(call, tuple) and call[0] == "step"]
     # linear warmup over 3 applied steps, then constant; skipped steps do not advance it
     assert steps == pytest.approx([1e-6 / 3, 2e-6 / 3, 1e-6, 1e-6])
-    assert ("clip", 1.0) in inner.calls
+    clips = [call for call in inner.calls if call[0] == "clip"]
+    assert clips == [("clip", 1.0, norm, ("param",)) for norm in (2.0, 3.0, 1.0, 0.5)]
     state = optimizer.state_dict()
     restored = ActorOptimizer(RecordingOptimizer([]), OptimConfig(
         lr=1e-6, lr_warmup_steps=3, lr_warmup_unit="optimizer_steps"))
