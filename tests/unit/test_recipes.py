@@ -52,3 +52,19 @@ def test_paper_recipes(name, dynamic, mini_batch, replays, steps_per_step):
     assert 64 % (cfg.parallel.tensor_model_parallel_size
                  * cfg.parallel.pipeline_model_parallel_size) == 0
     assert 64 % cfg.rollout.tensor_model_parallel_size == 0
+
+
+@pytest.mark.parametrize("name, heads, kv_heads, layers, experts", [
+    # published config.json values of Qwen3-8B and Qwen3-30B-A3B
+    ("qwen3_8b_rlep", 32, 8, 36, 0),
+    ("qwen3_30b_a3b_rlep", 32, 4, 48, 128),
+])
+def test_qwen3_recipes_fit_their_models_on_64_gpus(name, heads, kv_heads, layers, experts):
+    from rlep_megatron.distributed import validate_parallel_layout
+
+    cfg = load_config(os.path.join(EXAMPLES, f"{name}.yaml"))
+    validate_parallel_layout(64, cfg.parallel, heads, kv_heads, layers, num_experts=experts)
+    assert heads % cfg.rollout.tensor_model_parallel_size == 0
+    assert 64 % cfg.rollout.tensor_model_parallel_size == 0
+    assert cfg.optim.offload_during_rollout and cfg.model.recompute_activations
+    assert cfg.replay.num_replays_per_prompt == 2  # RLEP
