@@ -416,10 +416,11 @@ class Trainer:
     def mini_batches(self, batch: StepBatch) -> list[list[int]]:
         return mini_batch_plan(len(batch.sequences), self.cfg)
 
-    def _train_batch(self, batch: StepBatch, indices: list[int]):
+    def _train_batch(self, batch: StepBatch, indices: list[int], load):
         """This DP rank's slice of a mini-batch, with old log-probs from the current actor (and
         the reference's, with a KL term), plus this slice's sums and maxima for the step's
-        metrics (reduced over DP ranks by :meth:`old_logprob`)."""
+        metrics (reduced over DP ranks by :meth:`old_logprob`). ``load`` counts the MoE
+        routing of the old-log-prob pass (:mod:`rlep_megatron.actor.expert_load`)."""
         from rlep_megatron.actor.train_step import TrainBatch
         from rlep_megatron.algo import mismatch_kl, rollout_correction_weights, rollout_loss_mask
         from rlep_megatron.actor.forward import actor_logprobs
@@ -444,8 +445,10 @@ class Trainer:
         batching = {"lengths": torch.tensor([batch.length(s) for s in seqs]),
                     "pack_max_tokens": budget if self.cfg.trainer.sequence_packing else None}
         temperature = self.cfg.rollout.temperature
+        load.enabled = not placeholder  # a placeholder row is not routed for real
         old = actor_logprobs(self.chunks, self.info, ids, micro, temperature, everywhere=False,
                              **batching)
+        load.enabled = True
         ref = (self.reference.logprobs(ids, micro, temperature, **batching)
                if self.reference is not None else None)
         if old is None:
@@ -498,7 +501,11 @@ class Trainer:
         engine/actor gap, the rollout correction and how off-policy replays are."""
         from megatron.core import parallel_state as ps
 
-        parts = [self._train_batch(batch, indices) for indices in plan]
+        from rlep_megatron.actor.expert_load import ExpertLoad
+
+        # a mixture-of-experts actor: how evenly the old-log-prob pass routes the step's tokens
+        with ExpertLoad(self.chunks) as load:
+            parts = [self._train_batch(batch, indices, load) for indices in plan]
         dp_group = ps.get_data_parallel_group()
         sums = distributed.reduce_values({k: sum(p[1][k] for p in parts) for k in parts[0][1]},
                                          "sum", dp_group)
@@ -520,6 +527,7 @@ class Trainer:
             "train/old_nll_mean/replay": sums["nll_replay"] / max(sums["tokens_replay"], 1.0),
             "train/old_nll_max/fresh": maxima["nll_max_fresh"],
             "train/old_nll_max/replay": maxima["nll_max_replay"],
+            **load.metrics(),
         }
         if self.cfg.algo.rollout_correction != "off":
             metrics.update({

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlep_megatron import distributed
+from rlep_megatron.actor import expert_load
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 
@@ -112,6 +113,9 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
             lengths.tolist(), pack_max_tokens,
             ps.get_pipeline_model_parallel_world_size() if interleaved else 0)
         batches = [packing.packed_micro_batch(input_ids, lengths, g, pad_to) for g in groups]
+        for batch, rows in zip(batches, groups):
+            width = batch["input_ids"].shape[1]
+            batch["valid"] = (torch.arange(width) < int(lengths[rows].sum())).unsqueeze(0)
         shape = {"seq_length": max(int(b["input_ids"].shape[1]) for b in batches),
                  "micro_batch_size": 1}
     else:
@@ -120,15 +124,24 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         # the interleaved schedule needs micro-batches of one shape (see train_step)
         batches = micro_batches(input_ids, groups,
                                 num_rows=max(len(g) for g in groups) if interleaved else 0)
+        row_lengths = (torch.full((n,), seq_len, dtype=torch.long) if lengths is None
+                       else lengths.to(torch.long))
+        for batch, rows in zip(batches, groups):
+            size = batch["input_ids"].shape[0]
+            real = torch.zeros(size, dtype=torch.long)
+            real[:len(rows)] = row_lengths[rows]
+            batch["valid"] = torch.arange(seq_len).unsqueeze(0) < real.unsqueeze(1)
         shape = {"seq_length": seq_len, "micro_batch_size": max(len(g) for g in groups)}
 
     # results of micro-batches past len(groups) (fillers) are not read
-    batches = match_expert_parallel_count(batches, chunks)
+    batches = match_expert_parallel_count(
+        batches, chunks, {**batches[0], "valid": torch.zeros_like(batches[0]["valid"])})
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         ids = batch["input_ids"].to(device)
         packed = "cu_seqlens" in batch
+        expert_load.note_tokens(batch["valid"], model.config)
         output = packing.run_model(
             model, ids, batch["position_ids"].to(device),
             {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")} if packed else None)

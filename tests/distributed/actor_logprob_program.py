@@ -5,6 +5,7 @@ import argparse
 import torch
 
 from rlep_megatron import distributed
+from rlep_megatron.actor.expert_load import ExpertLoad
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.checkpoint.hf_io import load_hf_config
@@ -37,13 +38,20 @@ def main():
     chunks, info = build_from_hf(args.hf_dir, args.dtype,
                                  transformer_engine=args.transformer_engine)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
-    result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2, with_entropy=True,
-                               lengths=lengths, pack_max_tokens=args.pack_max_tokens)
+    with ExpertLoad(chunks) as load:
+        result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2,
+                                   with_entropy=True, lengths=lengths,
+                                   pack_max_tokens=args.pack_max_tokens)
+    # every data-parallel rank computes the same batch here (the trainer gives each its own)
+    from megatron.core import parallel_state as ps
+
+    expert_counts = load.totals() / ps.get_data_parallel_world_size()
     from megatron.core import parallel_state as ps
 
     if (result is not None and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0):
         torch.save({"input_ids": input_ids, "lengths": lengths, **result,
+                    "expert_counts": expert_counts,
                     "device": str(next(chunks[0].parameters()).device),
                     "transformer_engine": info.use_te}, args.out)
     distributed.destroy()

@@ -39,8 +39,30 @@ def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):
 ], ids=["moe-ep1", "moe-ep2-packed", "moe-tp2-ep2-sp", "moe-pp2-ep2-packed", "qwen2-tp2-sp-packed"])
 def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, args, request,
                                                                   tmp_path):
-    check_against_transformers(request.getfixturevalue(f"tiny_{arch}_dir"), nproc, args,
-                               tmp_path)
+    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    result = check_against_transformers(hf_dir, nproc, args, tmp_path)
+    if arch == "qwen3_moe":
+        # the expert-load counts (moe/load_imbalance) are transformers' own routing of the
+        # real tokens: its router logits' top-2 per token, counted per layer and expert
+        assert torch.equal(result["expert_counts"], hf_expert_counts(
+            hf_dir, result["input_ids"], result["lengths"]))
+
+
+def hf_expert_counts(hf_dir, input_ids, lengths):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    config = model.config
+    with torch.no_grad():
+        out = model(input_ids, output_router_logits=True)
+    real = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).reshape(-1)
+    sparse = [i for i in range(config.num_hidden_layers) if i not in config.mlp_only_layers]
+    counts = torch.zeros(config.num_hidden_layers, config.num_experts, dtype=torch.float64)
+    for layer, logits in zip(sparse, out.router_logits):
+        top = logits.reshape(-1, config.num_experts)[real].topk(config.num_experts_per_tok).indices
+        counts[layer] = torch.bincount(top.reshape(-1), minlength=config.num_experts).double()
+    return counts
 
 
 def check_against_transformers(hf_dir, nproc, args, tmp_path):
@@ -50,6 +72,11 @@ def check_against_transformers(hf_dir, nproc, args, tmp_path):
     reference = hf_token_logprobs(hf_dir, result["input_ids"], result["lengths"])
     diff = max_abs_logprob_diff(result["logp"], reference, result["lengths"])
     assert diff <= 1e-5, f"max |delta logprob| = {diff}"
+    check_entropy(result)
+    return result
+
+
+def check_entropy(result):
     # entropy over the vocabulary of config.json (320): positive and at most log(320)
     lengths = result["lengths"]
     valid = torch.arange(result["entropy"].shape[1])[None, :] < lengths[:, None]

@@ -183,6 +183,9 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
             assert math.isfinite(entry[key]), (key, entry[key])
         assert entry["rollout/logprob_abs_diff"] <= 1e-4
         assert entry["replay/num_sequences"] == 4 * M
+        # max / mean tokens per expert of the worst layer: 1 (even) to 8 experts / top-2
+        assert 1.0 <= entry["moe/load_imbalance"] <= 4.0
+        assert entry["moe/load_imbalance_layer"] in (1.0, 2.0, 3.0)  # layer 0 is dense
     assert a[3]["train/grad_norm"] > 0
     for x, y in zip(a, b):
         keys = {k for k in x if not k.startswith("timing/")}
