@@ -99,7 +99,9 @@ def test_tensor_cuda_is_identity_only_inside_wrapped_megatron_methods():
     def probe(self):
         seen["moved"] = torch.ones(2).cuda()  # would raise without CUDA outside the shim
 
-    wrapped = platform._tensor_cuda_is_identity(probe)
+    from rlep_megatron.platform import megatron_shim
+
+    wrapped = megatron_shim._tensor_cuda_is_identity(probe)
     wrapped(None)
     assert seen["moved"].device.type == "cpu"
     assert torch.Tensor.cuda is original_cuda

@@ -1,0 +1,35 @@
+"""Device and backend choice, and the only place with workarounds for megatron-core on CPU
+(and without TransformerEngine) and for vLLM's CPU backend, split by what each adapts:
+
+* :mod:`.device`: CUDA or CPU (``trainer.device``), NCCL or gloo, TransformerEngine or the
+  local layer spec, and the GPU/driver checks that refuse a silent CPU fallback;
+* :mod:`.megatron_shim` (with :mod:`.cpu_torch` and :mod:`.gloo`): megatron-core on CPU/gloo
+  (:func:`install_megatron_cpu_shim`) and its fixes when TransformerEngine is absent;
+* :mod:`.vllm_cpu`: vLLM's CPU backend settings and its kernels' refresh after a weight sync.
+
+Functions that others replace in tests (``cuda_available``, ``transformer_engine_status``,
+``nvidia_gpus`` ...) are looked up on this package at call time, so that replacing
+``rlep_megatron.platform.<name>`` reaches every module of the package.
+"""
+from rlep_megatron.platform.device import (
+    DEVICE_MODES, TRANSFORMER_ENGINE_MODES, DeviceError, Platform, _gpus_hidden_on_purpose,
+    _nvidia_driver_version, _vllm_is_cpu_build, choose_device, cuda_available,
+    fused_softmax_available, megatron_config_overrides, nvidia_gpus,
+    quiet_megatron_accelerator_warnings, report_layer_spec, select_platform,
+    transformer_engine_status, use_transformer_engine)
+from rlep_megatron.platform.megatron_shim import (
+    install_megatron_cpu_shim, megatron_moe_without_te)
+from rlep_megatron.platform.cpu_torch import CpuRNGStatesTracker
+from rlep_megatron.platform.vllm_cpu import (
+    refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels, remove_stale_vllm_cpu_shm,
+    vllm_cpu_engine_settings)
+
+__all__ = [
+    "DEVICE_MODES", "TRANSFORMER_ENGINE_MODES", "CpuRNGStatesTracker", "DeviceError", "Platform",
+    "choose_device", "cuda_available", "fused_softmax_available", "install_megatron_cpu_shim",
+    "megatron_config_overrides", "megatron_moe_without_te", "nvidia_gpus",
+    "quiet_megatron_accelerator_warnings", "refresh_vllm_cpu_embedding_kernels",
+    "refresh_vllm_cpu_moe_kernels", "remove_stale_vllm_cpu_shm", "report_layer_spec",
+    "select_platform", "transformer_engine_status", "use_transformer_engine",
+    "vllm_cpu_engine_settings", "_gpus_hidden_on_purpose", "_nvidia_driver_version",
+    "_vllm_is_cpu_build"]

