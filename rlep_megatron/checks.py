@@ -55,6 +55,9 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
         validate_parallel_layout(world, parallel, **layout_limits(hf))
     except ValueError as err:
         problems.append(f"parallel: {err}")
+    if cfg.algo.routing_replay != "off" and not layout_limits(hf)["num_experts"]:
+        problems.append(f"algo.routing_replay={cfg.algo.routing_replay} needs a "
+                        "mixture-of-experts model; this one is dense: use off")
     rollout_tp = cfg.rollout.tensor_model_parallel_size
     if heads and heads % rollout_tp:
         problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "

@@ -262,6 +262,14 @@ class AlgoConfig:
     responses; the "geo-mask" of Liu et al. 2025 with ``mask``)."""
     rollout_correction_threshold: float = 2.0
     """C of the rollout correction (> 1)."""
+    routing_replay: Literal["off", "actor", "rollout"] = "off"
+    """Mixture-of-experts models: ``actor`` records each token's experts in the old-log-prob
+    pass and routes every update of that mini-batch through them (the gate weights still come
+    from the live router logits, so the router learns); the updates then change the experts'
+    weights but not which experts each token uses (:mod:`rlep_megatron.actor.routing`).
+    ``rollout`` (route through the inference engine's choice) is not available yet: it needs
+    vLLM's returned routed experts, which its CPU backend cannot give. ``off``: the routers
+    choose in every pass."""
     entropy_coef: float = 0.0
     """Entropy bonus; 0 disables it (recipes use 0)."""
     dynamic_sampling: bool = False
@@ -287,6 +295,11 @@ class AlgoConfig:
             raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ValueError(f"algo.kl_clamp must be > 0 or null, got {self.kl_clamp}")
+        if self.routing_replay == "rollout":
+            raise ValueError("algo.routing_replay=rollout is not available yet: it needs the "
+                             "engine's routed experts (vLLM's enable_return_routed_experts, "
+                             "GPU only), which are not wired; use actor (replays the "
+                             "old-log-prob pass's routing in the updates) or off")
         if self.rollout_correction_threshold <= 1:
             raise ValueError("algo.rollout_correction_threshold must be > 1 (tokens are kept "
                              f"within [1/C, C]), got {self.rollout_correction_threshold}")

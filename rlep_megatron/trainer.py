@@ -228,6 +228,16 @@ class Trainer:
                                overlap_param_gather=cfg.optim.overlap_param_gather,
                                grad_reduce_in_fp32=cfg.optim.grad_reduce_dtype == "float32")
         self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
+        # algo.routing_replay=actor: the old-log-prob pass's experts, replayed in the updates
+        self.routing_replay = None
+        if cfg.algo.routing_replay == "actor":
+            from rlep_megatron.actor.routing import RoutingReplay
+            from rlep_megatron.models import num_experts
+
+            self.routing_replay = RoutingReplay(self.chunks)
+            if not num_experts(self.info.hf_config):
+                raise ValueError("algo.routing_replay=actor needs a mixture-of-experts model; "
+                                 "this one is dense: use off")
         self.offload_train_state = cfg.optim.offload_during_rollout and platform.cuda_available()
         if self.offload_train_state and self.info.params_dtype != torch.bfloat16:
             raise ValueError("optim.offload_during_rollout needs model.params_dtype=bfloat16 "
@@ -446,8 +456,11 @@ class Trainer:
                     "pack_max_tokens": budget if self.cfg.trainer.sequence_packing else None}
         temperature = self.cfg.rollout.temperature
         load.enabled = not placeholder  # a placeholder row is not routed for real
-        old = actor_logprobs(self.chunks, self.info, ids, micro, temperature, everywhere=False,
-                             **batching)
+        recording = (self.routing_replay.recording(*ids.shape) if self.routing_replay
+                     else contextlib.nullcontext())
+        with recording as routing:  # algo.routing_replay=actor: the experts of this pass
+            old = actor_logprobs(self.chunks, self.info, ids, micro, temperature,
+                                 everywhere=False, **batching)
         load.enabled = True
         ref = (self.reference.logprobs(ids, micro, temperature, **batching)
                if self.reference is not None else None)
@@ -493,7 +506,8 @@ class Trainer:
                            ref_logp=ref,
                            token_weights=(weights.float() if algo.rollout_correction != "off"
                                           else None),
-                           loss_mask=rollout_loss_mask(algo.rollout_correction, changed))
+                           loss_mask=rollout_loss_mask(algo.rollout_correction, changed),
+                           routing=routing)
         return train, sums, maxima
 
     def old_logprob(self, batch: StepBatch, plan: list[list[int]]):
@@ -549,7 +563,8 @@ class Trainer:
                                     self.cfg.trainer.micro_batch_max_tokens,
                                     temperature=self.cfg.rollout.temperature,
                                     replay_clip_high=self.cfg.replay.clip_ratio_high,
-                                    sequence_packing=self.cfg.trainer.sequence_packing)
+                                    sequence_packing=self.cfg.trainer.sequence_packing,
+                                    routing_replay=self.routing_replay)
                    for tb in train_batches]
         # the weight sync and checkpoints read the weights outside a forward pass
         self.optimizer.gather_params(self.chunks)

@@ -6,6 +6,7 @@ only keep expert-parallel ranks in step and placeholder rows are not counted).
 Per MoE layer, ``max over experts / mean over experts`` of the counts (1 = perfectly even; at
 most E / top-k when every token picks the same experts); the step's metric is the worst layer's
 (``moe/load_imbalance``) and which layer that is (``moe/load_imbalance_layer``, global index).
+Each forward pass says which of its tokens are real (:func:`routing.note_micro_batch`).
 Counts are summed over every rank (data-parallel shares, sequence-parallel shards and pipeline
 stages hold disjoint tokens or layers).
 """
@@ -16,33 +17,7 @@ from typing import Optional
 import torch
 
 from rlep_megatron import distributed
-
-_ACTIVE: Optional["ExpertLoad"] = None
-
-
-def note_tokens(valid: torch.Tensor, config) -> None:
-    """Called before each forward pass with the micro-batch's real tokens ``[b, s]`` (True for
-    a real token); no-op unless an :class:`ExpertLoad` is counting."""
-    if _ACTIVE is not None:
-        _ACTIVE.valid = router_token_mask(valid, config)
-
-
-def router_token_mask(valid: torch.Tensor, config) -> torch.Tensor:
-    """``valid [b, s]`` (True for real tokens; a pack is ``[1, t]``) -> the flat mask of the
-    tokens one rank's routers see: the model's ``[s, b]`` order flattened, the sequence
-    extended to a multiple of TP and this rank's shard of it under sequence parallelism (as
-    :func:`rlep_megatron.actor.packing.run_model` extends it)."""
-    from megatron.core import parallel_state as ps
-
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    columns = valid.t()
-    extra = -columns.shape[0] % tp
-    if extra:
-        columns = torch.cat([columns, columns.new_zeros((extra, columns.shape[1]))])
-    if tp > 1:
-        columns = columns.chunk(tp)[ps.get_tensor_model_parallel_rank()]
-    return columns.reshape(-1)
-
+from rlep_megatron.actor import routing
 
 class ExpertLoad:
     """Context manager that counts routed tokens per expert in this rank's MoE layers."""
@@ -69,15 +44,13 @@ class ExpertLoad:
         self._handles: list = []
 
     def __enter__(self) -> "ExpertLoad":
-        global _ACTIVE
-        _ACTIVE = self
+        routing._EXPERT_LOAD = self
         self._handles = [router.register_forward_hook(self._hook(layer))
                          for layer, router in self.routers]
         return self
 
     def __exit__(self, *_exc) -> None:
-        global _ACTIVE
-        _ACTIVE = None
+        routing._EXPERT_LOAD = None
         for handle in self._handles:
             handle.remove()
         self._handles = []

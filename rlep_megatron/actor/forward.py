@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlep_megatron import distributed
-from rlep_megatron.actor import expert_load
+from rlep_megatron.actor import routing
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 
@@ -56,6 +56,12 @@ def fit_to_schedule(groups: list[list[int]], chunks: list[torch.nn.Module]) -> l
     target = min(-(-len(groups) // pp) * pp, len(rows) // pp * pp)
     bounds = [round(i * len(rows) / target) for i in range(target + 1)]
     return [rows[bounds[i]:bounds[i + 1]] for i in range(target)]
+
+
+def _no_ones(batch: dict) -> dict:
+    """A copy of a micro-batch whose tokens are no one's (routing, expert counts)."""
+    return {**batch, "route_rows": torch.full_like(batch["route_rows"], -1),
+            "route_cols": torch.full_like(batch["route_cols"], -1)}
 
 
 def match_expert_parallel_count(micro_batches: list, chunks: list[torch.nn.Module],
@@ -114,8 +120,7 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
             ps.get_pipeline_model_parallel_world_size() if interleaved else 0)
         batches = [packing.packed_micro_batch(input_ids, lengths, g, pad_to) for g in groups]
         for batch, rows in zip(batches, groups):
-            width = batch["input_ids"].shape[1]
-            batch["valid"] = (torch.arange(width) < int(lengths[rows].sum())).unsqueeze(0)
+            batch.update(packing.packed_places(batch, rows))
         shape = {"seq_length": max(int(b["input_ids"].shape[1]) for b in batches),
                  "micro_batch_size": 1}
     else:
@@ -127,21 +132,18 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         row_lengths = (torch.full((n,), seq_len, dtype=torch.long) if lengths is None
                        else lengths.to(torch.long))
         for batch, rows in zip(batches, groups):
-            size = batch["input_ids"].shape[0]
-            real = torch.zeros(size, dtype=torch.long)
-            real[:len(rows)] = row_lengths[rows]
-            batch["valid"] = torch.arange(seq_len).unsqueeze(0) < real.unsqueeze(1)
+            batch.update(packing.padded_places(rows, batch["input_ids"].shape[0], row_lengths,
+                                               seq_len))
         shape = {"seq_length": seq_len, "micro_batch_size": max(len(g) for g in groups)}
 
     # results of micro-batches past len(groups) (fillers) are not read
-    batches = match_expert_parallel_count(
-        batches, chunks, {**batches[0], "valid": torch.zeros_like(batches[0]["valid"])})
+    batches = match_expert_parallel_count(batches, chunks, _no_ones(batches[0]))
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         ids = batch["input_ids"].to(device)
         packed = "cu_seqlens" in batch
-        expert_load.note_tokens(batch["valid"], model.config)
+        routing.note_micro_batch(batch, model.config)
         output = packing.run_model(
             model, ids, batch["position_ids"].to(device),
             {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")} if packed else None)

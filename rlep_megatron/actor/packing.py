@@ -157,3 +157,27 @@ def schedule_seq_length(longest: int, model: torch.nn.Module) -> int:
     config = model.config
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     return -(-longest // multiple) * multiple
+
+
+def padded_places(rows: list[int], num_rows: int, lengths: torch.Tensor, width: int) -> dict:
+    """Routing places (:func:`rlep_megatron.actor.routing.token_places`) of a padded
+    micro-batch of ``rows`` (their first ``lengths[row]`` tokens), ``num_rows`` x ``width``:
+    rows past ``len(rows)`` and columns past a row's length are no one's."""
+    from rlep_megatron.actor.routing import token_places
+
+    owners = torch.full((num_rows, width), -1, dtype=torch.long)
+    for i, row in enumerate(rows):
+        owners[i, :min(int(lengths[row]), width)] = row
+    return token_places(owners, torch.arange(width).expand(num_rows, width))
+
+
+def packed_places(batch: dict, rows: list[int]) -> dict:
+    """Routing places of a :func:`packed_micro_batch` of ``rows`` (a filler sequence is no
+    one's)."""
+    from rlep_megatron.actor.routing import token_places
+
+    bounds = batch["cu_seqlens"].to(torch.long)
+    width = batch["input_ids"].shape[1]
+    segment = torch.searchsorted(bounds[1:], torch.arange(width), right=True)
+    owner_of = torch.tensor(list(rows) + [-1] * (len(bounds) - 1 - len(rows)), dtype=torch.long)
+    return token_places(owner_of[segment].unsqueeze(0), batch["position_ids"].to(torch.long))

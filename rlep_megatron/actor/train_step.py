@@ -10,6 +10,7 @@ to megatron is multiplied by both factors so that the gradient is that of the ex
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,7 +18,8 @@ import torch
 
 from rlep_megatron import distributed
 from rlep_megatron.actor import packing
-from rlep_megatron.actor.forward import fit_to_schedule, match_expert_parallel_count
+from rlep_megatron.actor import routing
+from rlep_megatron.actor.forward import _no_ones, fit_to_schedule, match_expert_parallel_count
 from rlep_megatron.actor.logprob import vocab_parallel_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 from rlep_megatron.actor.optimizer import ActorOptimizer
@@ -49,6 +51,10 @@ class TrainBatch:
     ``mask`` rollout correction's dropped tokens); ``None``: every response token. The
     micro-batch layout follows ``response_mask`` alone, so it is the same on every pipeline
     stage whatever this holds."""
+    routing: Optional[dict] = None
+    """``{layer: [n, seq, k]}`` experts each token of this rank's MoE layers is routed to in
+    the update (routing replay, :mod:`rlep_megatron.actor.routing`); ``None``: the routers
+    choose."""
 
     def trained_mask(self) -> torch.Tensor:
         """``response_mask`` without the tokens ``loss_mask`` drops."""
@@ -120,7 +126,8 @@ def _micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int],
     out = _loss_inputs(batch, index, length)
     out["response_mask"] *= (torch.arange(len(index)) < len(rows)).float().unsqueeze(1)
     out.update(input_ids=batch.input_ids[index, :length],
-               position_ids=torch.arange(length).unsqueeze(0).expand(len(rows), -1))
+               position_ids=torch.arange(length).unsqueeze(0).expand(len(rows), -1),
+               **packing.padded_places(rows, len(index), lengths, length))
     return out
 
 
@@ -130,6 +137,7 @@ def _packed_micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int
     with their loss inputs as ``[rows, longest]``, aligned like the unpacked log-probs."""
     out = packing.packed_micro_batch(batch.input_ids, lengths, rows, pad_to)
     out.update(_loss_inputs(batch, torch.tensor(rows), int(out["unpack_index"].shape[1])))
+    out.update(packing.packed_places(out, rows))
     return out
 
 
@@ -137,7 +145,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                      info: ActorModelInfo, batch: TrainBatch, algo: AlgoConfig,
                      micro_batch_max_tokens: int, temperature: float = 1.0,
                      replay_clip_high: Optional[float] = None,
-                     sequence_packing: bool = False) -> dict[str, float]:
+                     sequence_packing: bool = False,
+                     routing_replay: Optional[routing.RoutingReplay] = None) -> dict[str, float]:
     """Forward/backward over the mini-batch and one optimizer step; returns metrics (same on
     every rank). With ``batch.ref_logp`` the metrics carry the KL estimators (``kl_k1`` ...,
     split fresh/replay). ``sequence_packing`` packs the rows into token-balanced micro-batches
@@ -170,7 +179,7 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                           "micro_batch_size": max(len(g) for g in groups)}
     # the same number of micro-batches on every EP rank; a filler trains no token
     micro_batches = match_expert_parallel_count(
-        micro_batches, chunks, {**micro_batches[0],
+        micro_batches, chunks, {**_no_ones(micro_batches[0]),
                                 "response_mask": torch.zeros_like(micro_batches[0]["response_mask"])})
     # token slots the model really processes (padded rows and columns, or the packs' fill)
     counts = global_counts(batch, sum(int(mb["input_ids"].numel()) for mb in micro_batches))
@@ -181,6 +190,7 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     def forward_step(data_iterator, model):
         mb = {k: v.to(device) for k, v in next(data_iterator).items()}
         packed = "cu_seqlens" in mb
+        routing.note_micro_batch(mb, model.config)
         output = packing.run_model(model, mb["input_ids"], mb["position_ids"],
                                    mb if packed else None)
 
@@ -209,13 +219,18 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         return output, loss_func
 
     optimizer.zero_grad(chunks)
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=[iter(micro_batches) for _ in chunks] if interleaved
-        else iter(micro_batches),
-        model=chunks if interleaved else chunks[0], num_microbatches=len(micro_batches),
-        forward_only=False, **{**schedule_shape, "seq_length": packing.schedule_seq_length(
-            schedule_shape["seq_length"], chunks[0])})
+    if batch.routing is not None and routing_replay is None:
+        raise ValueError("the batch carries replayed routing but no RoutingReplay was given")
+    replaying = (routing_replay.replaying(batch.routing) if batch.routing is not None
+                 else contextlib.nullcontext())
+    with replaying:
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro_batches) for _ in chunks] if interleaved
+            else iter(micro_batches),
+            model=chunks if interleaved else chunks[0], num_microbatches=len(micro_batches),
+            forward_only=False, **{**schedule_shape, "seq_length": packing.schedule_seq_length(
+                schedule_shape["seq_length"], chunks[0])})
     applied, grad_norm = optimizer.step()
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True),
                               with_kl=batch.ref_logp is not None)

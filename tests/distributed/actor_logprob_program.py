@@ -1,11 +1,13 @@
 """Torchrun program: build the actor from an HF checkpoint at ``--tp/--pp`` and write its
 per-token log-probs (and entropy) of a right-padded batch of different lengths to ``--out``."""
 import argparse
+import contextlib
 
 import torch
 
 from rlep_megatron import distributed
 from rlep_megatron.actor.expert_load import ExpertLoad
+from rlep_megatron.actor.routing import RoutingReplay
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.checkpoint.hf_io import load_hf_config
@@ -22,6 +24,8 @@ def main():
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--forced-routing", default=None,
+                        help="torch file {layer: [rows, columns, k]}: replay these experts")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
@@ -38,7 +42,12 @@ def main():
     chunks, info = build_from_hf(args.hf_dir, args.dtype,
                                  transformer_engine=args.transformer_engine)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
-    with ExpertLoad(chunks) as load:
+    replaying = contextlib.nullcontext()
+    if args.forced_routing:
+        replay = RoutingReplay(chunks)
+        forced = torch.load(args.forced_routing)
+        replaying = replay.replaying({layer: forced[layer] for layer in replay.layers})
+    with ExpertLoad(chunks) as load, replaying:
         result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2,
                                    with_entropy=True, lengths=lengths,
                                    pack_max_tokens=args.pack_max_tokens)

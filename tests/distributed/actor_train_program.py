@@ -2,6 +2,7 @@
 (DP = world / (TP x PP)) on a fixed global batch; writes the updated weights (HF names, full
 tensors) and the step metrics to ``--out``."""
 import argparse
+import contextlib
 
 import torch
 
@@ -10,6 +11,7 @@ from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
 from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 from rlep_megatron.actor.packing import balanced_partition
+from rlep_megatron.actor.routing import RoutingReplay
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
 from rlep_megatron.weight_sync.streamer import WeightStreamer
@@ -52,6 +54,8 @@ def main():
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--routing-replay", action="store_true",
+                        help="record the old-log-prob pass's experts and replay them in the step")
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
     parser.add_argument("--micro-batch-max-tokens", type=int, default=40)
     parser.add_argument("--distributed-optimizer", action="store_true",
@@ -88,7 +92,11 @@ def main():
     lengths = (response_mask * torch.arange(input_ids.shape[1])).max(dim=1).values + 1
     packing = ({"lengths": lengths, "pack_max_tokens": args.micro_batch_max_tokens}
                if args.packing else {})
-    old = sequence_logprobs(chunks, info, input_ids, micro_batch_size=NUM_SEQUENCES, **packing)
+    replay = RoutingReplay(chunks) if args.routing_replay else None
+    recording = (replay.recording(*input_ids.shape) if replay else contextlib.nullcontext())
+    with recording as routing:
+        old = sequence_logprobs(chunks, info, input_ids, micro_batch_size=NUM_SEQUENCES,
+                                **packing)
     from megatron.core import parallel_state as ps
 
     old_logp = torch.zeros(input_ids.shape) if old is None else old["logp"]
@@ -102,9 +110,11 @@ def main():
     else:
         rows = torch.arange(dp_rank * NUM_SEQUENCES // dp, (dp_rank + 1) * NUM_SEQUENCES // dp)
     batch = TrainBatch(input_ids[rows], response_mask[rows], old_logp[rows], advantages[rows],
-                       is_replay[rows])
+                       is_replay[rows], routing=None if routing is None else
+                       {layer: experts[rows] for layer, experts in routing.items()})
     metrics = train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(),
-                               args.micro_batch_max_tokens, sequence_packing=args.packing)
+                               args.micro_batch_max_tokens, sequence_packing=args.packing,
+                               routing_replay=replay)
     # every rank receives every HF tensor from the weight-sync stream
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}

@@ -83,3 +83,55 @@ def check_entropy(result):
     valid[:, 0] = False
     entropy = result["entropy"][valid]
     assert (entropy > 0).all() and (entropy <= torch.log(torch.tensor(320.0)) + 1e-4).all()
+
+
+@pytest.mark.parametrize("nproc, args", [
+    (2, ["--pp", "2", "--pack-max-tokens", "64"]),
+    (4, ["--tp", "2", "--ep", "2", "--sp"]),
+], ids=["pp2-packed", "tp2-ep2-sp"])
+def test_replayed_routing_reaches_every_token(nproc, args, tiny_qwen3_moe_dir, tmp_path):
+    """Routing replay: each token is routed through the experts given for its (row, column)
+    and layer, whatever the micro-batch layout. The given experts are random (not what the
+    router would choose), and the log-probs equal transformers' with its routers forced to the
+    same experts."""
+    from rlep_megatron.actor.forward import pad_sequences
+    from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
+
+    input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
+    generator = torch.Generator().manual_seed(5)
+    forced = {layer: torch.rand(input_ids.shape + (8,), generator=generator).argsort(-1)[..., :2]
+              for layer in (1, 2, 3)}
+    torch.save(forced, tmp_path / "forced.pt")
+    out = tmp_path / "logp.pt"
+    run_torchrun(PROGRAM, nproc, ["--hf-dir", tiny_qwen3_moe_dir, "--out", str(out),
+                                  "--forced-routing", str(tmp_path / "forced.pt"), *args])
+    result = torch.load(out)
+    reference = hf_forced_logprobs(tiny_qwen3_moe_dir, input_ids, lengths, forced)
+    diff = max_abs_logprob_diff(result["logp"], reference, lengths)
+    assert diff <= 1e-5, f"max |delta logprob| = {diff}"
+    # the forced routing is far from the router's own choice
+    assert max_abs_logprob_diff(result["logp"], hf_token_logprobs(
+        tiny_qwen3_moe_dir, input_ids, lengths), lengths) > 1e-2
+
+
+def hf_forced_logprobs(hf_dir, input_ids, lengths, forced):
+    """transformers' log-probs with each sparse layer's router forced to ``forced[layer]``
+    (``[rows, columns, k]``); gate weights: its softmax renormalised over the forced experts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    for number, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if number not in forced or gate is None or not hasattr(gate, "top_k"):
+            continue
+
+        def forward(hidden, gate=gate, chosen=forced[number].reshape(-1, 2)):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, chosen)
+            return logits, (probs / probs.sum(-1, keepdim=True)).to(logits.dtype), chosen
+        gate.forward = forward
+    with torch.no_grad():
+        logits = model(input_ids).logits.double()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)

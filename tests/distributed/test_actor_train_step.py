@@ -156,6 +156,19 @@ def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen
                                        msg=f"{name} with {' '.join(extra)}")
         assert other["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"],
                                                               rel=1e-5)
+    # routing replay: the experts recorded in the old-log-prob pass (the policy of this very
+    # step, so the same experts the routers would choose) replayed in the step, with full
+    # activation recompute (each layer routes twice per micro-batch), packed, at TP2 x EP2:
+    # the same update
+    # and with PP2 x EP2, where 1F1B recomputes a micro-batch's layers after later micro-batches'
+    # forward passes (the replayed experts are queued per layer)
+    for tp, pp, extra in ((2, 1, ("--ep", "2", "--sp", "--packing")),
+                          (1, 2, ("--ep", "2", "--micro-batch-max-tokens", "24"))):
+        replayed = train(hf_dir, 4, tp, pp, tmp_path / f"replayed{tp}{pp}.pt", *extra,
+                         "--routing-replay", "--recompute")
+        for name, tensor in single["weights"].items():
+            torch.testing.assert_close(replayed["weights"][name], tensor, rtol=0, atol=1e-6,
+                                       msg=f"{name} with routing replay, TP{tp} PP{pp}")
 
 
 def per_expert_names(state: dict) -> dict:

@@ -161,10 +161,11 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
                                                               tmp_path):
     """The tiny Qwen3-MoE (8 experts, top-2) on 2 ranks with its experts split over EP=2
     (dense parts DP=2, distributed optimizer: the chained dense / expert optimizers), two
-    rollout replicas: contract metrics finite, the engine agrees with the actor on every fresh
-    token, and 2 steps + resume to 3 equal 3 straight steps in every metric."""
+    rollout replicas, routing replay (algo.routing_replay=actor): contract metrics finite, the
+    engine agrees with the actor on every fresh token, and 2 steps + resume to 3 equal 3
+    straight steps in every metric."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
-              "parallel.expert_model_parallel_size=2"]
+              "parallel.expert_model_parallel_size=2", "algo.routing_replay=actor"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen3_moe_dir, task, str(straight), steps=3), *common],

@@ -195,6 +195,8 @@ MISTAKES = [  # (override, what the one line must say)
                                   "'qwen2', 'qwen3', 'qwen3_moe']"),
     ("parallel.expert_model_parallel_size=2", "expert_model_parallel_size=2 needs a "
                                               "mixture-of-experts model; this one is dense"),
+    ("algo.routing_replay=actor", "algo.routing_replay=actor needs a mixture-of-experts model"),
+    ("algo.routing_replay=rollout", "algo.routing_replay=rollout is not available yet"),
 ]
 
 

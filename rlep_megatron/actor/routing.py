@@ -1,0 +1,161 @@
+"""Which experts each token goes to in a mixture-of-experts actor: the tokens' places in the
+routers' order, and routing replay.
+
+Every forward pass first announces its micro-batch (:func:`note_micro_batch`): for each token
+the routers see, the batch row and column it comes from (-1 for padding and fill). The routers
+see ``[s, b]`` flattened (sequence-major), the sequence extended to a multiple of TP and, with
+sequence parallelism, only this rank's shard of it (as :func:`rlep_megatron.actor.packing
+.run_model` feeds the model).
+
+Routing replay (``algo.routing_replay=actor``): the old-log-prob pass *records* each token's
+top-k experts per MoE layer (:meth:`RoutingReplay.recording`), and every update of that
+mini-batch *replays* them (:meth:`RoutingReplay.replaying`): the router still computes its
+logits, and the gate weights are the softmax over the replayed experts' logits, so the router
+keeps learning, but the choice of experts is the one the old policy made, whatever the
+micro-batch layout of the update (padding, packing, pipeline stages, sequence-parallel shards).
+With full activation recompute a layer's forward runs twice per micro-batch (under no_grad, then
+again in backward): the replayed experts of the first run are queued for the second.
+
+The hook is megatron-core's own: each router's ``router_replay`` object is asked for the top-k.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Optional
+
+import torch
+
+_EXPERT_LOAD = None  # the counting ExpertLoad, if any (actor/expert_load.py)
+_REPLAY: Optional["RoutingReplay"] = None  # the recording / replaying RoutingReplay, if any
+
+
+def router_order(values: torch.Tensor, config, fill: int) -> torch.Tensor:
+    """``values [b, s]`` -> the flat ``[tokens]`` the routers of this rank see (module doc)."""
+    from megatron.core import parallel_state as ps
+
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    columns = values.t()
+    extra = -columns.shape[0] % tp
+    if extra:
+        columns = torch.cat([columns, columns.new_full((extra, columns.shape[1]), fill)])
+    if tp > 1:
+        columns = columns.chunk(tp)[ps.get_tensor_model_parallel_rank()]
+    return columns.reshape(-1)
+
+
+def token_places(rows: torch.Tensor, columns: torch.Tensor) -> dict:
+    """``{"route_rows", "route_cols"}`` micro-batch entries, both ``[b, s]`` (-1: no token)."""
+    return {"route_rows": rows, "route_cols": torch.where(rows >= 0, columns, -1)}
+
+
+def note_micro_batch(batch: dict, config) -> None:
+    """Called before each forward pass with the micro-batch (its ``route_rows`` /
+    ``route_cols``); no-op unless an expert count or a routing replay is active."""
+    if _EXPERT_LOAD is None and _REPLAY is None:
+        return
+    rows = router_order(batch["route_rows"], config, -1)
+    if _EXPERT_LOAD is not None:
+        _EXPERT_LOAD.valid = rows >= 0
+    if _REPLAY is not None:
+        _REPLAY.places = (rows.cpu(), router_order(batch["route_cols"], config, -1).cpu())
+
+
+class _LayerHook:
+    """megatron's ``router_replay`` interface for one MoE layer."""
+
+    def __init__(self, owner: "RoutingReplay", layer: int):
+        self.owner, self.layer = owner, layer
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                        default_compute_topk=None):
+        return self.owner.topk(self.layer, scores, topk, num_groups, group_topk,
+                               default_compute_topk)
+
+
+class RoutingReplay:
+    """Records and replays the top-k experts of this rank's MoE layers (module doc)."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        from rlep_megatron.models.megatron import unwrap
+
+        self.layers = []
+        for chunk in chunks:
+            model = unwrap(chunk)
+            self.topk_size = model.config.moe_router_topk
+            self.recompute = model.config.recompute_granularity == "full"
+            for layer in model.decoder.layers:
+                router = getattr(layer.mlp, "router", None)
+                if router is not None:
+                    number = layer.layer_number - 1
+                    router.router_replay = _LayerHook(self, number)
+                    self.layers.append(number)
+        self.mode: Optional[str] = None
+        self.store: dict[int, torch.Tensor] = {}
+        self.places: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._queues: dict[int, collections.deque] = {}
+
+    @contextlib.contextmanager
+    def recording(self, num_rows: int, num_columns: int):
+        """Record every layer's top-k of the forward passes inside into :attr:`store`
+        (``{layer: [rows, columns, k]}``, -1 where no token was routed)."""
+        self.store = {layer: torch.full((num_rows, num_columns, self.topk_size), -1,
+                                        dtype=torch.long) for layer in self.layers}
+        with self._active("record"):
+            yield self.store
+
+    @contextlib.contextmanager
+    def replaying(self, store: dict[int, torch.Tensor]):
+        """Route every token inside by ``store`` (as :meth:`recording` made it)."""
+        self.store = store
+        self._queues = {layer: collections.deque() for layer in self.layers}
+        with self._active("replay"):
+            yield
+
+    @contextlib.contextmanager
+    def _active(self, mode: str):
+        global _REPLAY
+        self.mode, _REPLAY = mode, self
+        try:
+            yield
+        finally:
+            self.mode, _REPLAY, self.places = None, None, None
+
+    def topk(self, layer, scores, topk, num_groups, group_topk, default_compute_topk):
+        if self.mode is None:
+            return default_compute_topk(scores, topk, num_groups=num_groups,
+                                        group_topk=group_topk)
+        if self.mode == "record":
+            probs, indices = default_compute_topk(scores, topk, num_groups=num_groups,
+                                                  group_topk=group_topk)
+            rows, cols = self._places(scores)
+            valid = rows >= 0
+            self.store[layer][rows[valid], cols[valid]] = indices.cpu()[valid]
+            return probs, indices
+        if self.recompute and torch.is_grad_enabled():
+            indices = self._queues[layer].popleft()  # activation recompute in backward
+        else:
+            indices = self._replayed(layer, scores, topk)
+            if self.recompute:
+                self._queues[layer].append(indices)
+        return scores.gather(1, indices), indices
+
+    def _places(self, scores):
+        if self.places is None or self.places[0].numel() != scores.shape[0]:
+            raise RuntimeError(f"routing replay: {scores.shape[0]} routed tokens, but the "
+                               "micro-batch announced "
+                               f"{None if self.places is None else self.places[0].numel()}")
+        return self.places
+
+    def _replayed(self, layer, scores, topk):
+        rows, cols = self._places(scores)
+        valid = rows >= 0
+        # tokens that are no one's (padding, fill) take the first k experts: their outputs
+        # reach no real token
+        indices = torch.arange(topk).expand(rows.numel(), topk).clone()
+        recorded = self.store[layer][rows[valid], cols[valid]]
+        if (recorded < 0).any():
+            raise RuntimeError(f"routing replay: layer {layer} has no recorded experts for "
+                               f"{int((recorded < 0).any(dim=1).sum())} tokens")
+        indices[valid] = recorded
+        return indices.to(scores.device)
