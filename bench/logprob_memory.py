@@ -2,9 +2,12 @@
 vocab-parallel (this project: logits of vocab/TP columns, cross-rank max/sum reductions)
 versus a naive full-vocabulary log-softmax; and, in fp32 and bf16, what the entropy costs with
 autograd (an entropy bonus in the loss) and without (entropy only reported, the default);
-and the forward-only pass (old log-probs, reference log-probs), which runs in chunks of tokens.
+and the forward-only pass (old log-probs, reference log-probs), which runs in chunks of tokens;
+and the train step's log-probs from the last hidden states, the output layer included: the full
+logits at once against ``model.logprob_chunk_tokens`` chunks recomputed in the backward.
 
     python bench/logprob_memory.py [--tokens 2048] [--vocab 152064] [--tp 1 2 4 8]
+        [--hidden 3584 --hidden-tp 2 4 --chunk 2048]
 
 Each variant runs in a fresh process; memory is the peak resident set size above the process's
 size before the logits were allocated (so it includes the logits themselves and autograd
@@ -71,24 +74,90 @@ def run_variant(kind: str, tokens: int, vocab: int, tp: int, dtype: str = "float
             "fp32_logits_mb": fp32_logits_mb}
 
 
+def run_from_hidden(kind: str, tokens: int, vocab: int, tp: int, hidden_size: int,
+                    chunk: int) -> dict:
+    """One train-step log-prob pass from hidden states (``hidden @ weight.T`` then the
+    log-probs, entropy reported, backward into both): the full logits, or chunked. Peak above
+    the inputs (hidden states and this rank's output-layer weight, which the model holds
+    anyway); the weight's gradient (one more copy of the weight) counts in both."""
+    import torch
+
+    import importlib
+
+    importlib.import_module("megatron.core.tensor_parallel.mappings")  # the full path's import
+
+    from rlep_megatron.actor.logprob import output_layer_logprobs, vocab_parallel_logprobs
+
+    torch.manual_seed(0)
+    shard = vocab // tp
+    hidden = (torch.randn(tokens, hidden_size) * 0.1).requires_grad_()
+    weight = (torch.randn(shard, hidden_size) * 0.02).requires_grad_()
+    targets = torch.randint(0, shard, (tokens,))
+    before = rss_mb()
+    if kind == "hidden_full":
+        logp, _ = vocab_parallel_logprobs(hidden @ weight.T, targets, real_vocab_size=shard,
+                                          with_entropy=True, entropy_grad=False)
+    else:
+        logp, _ = output_layer_logprobs(hidden, weight, targets, real_vocab_size=shard,
+                                        with_entropy=True, entropy_grad=False,
+                                        chunk_tokens=chunk)
+    logp.sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"peak_mb": peak - before, "logits_mb": tokens * shard * 4 / 2**20,
+            "chunk_logits_mb": min(chunk, tokens) * shard * 4 / 2**20,
+            "weight_grad_mb": shard * hidden_size * 4 / 2**20}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=152064)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--hidden", type=int, default=3584,
+                        help="hidden size of the output-layer section (Qwen2.5-7B: 3584)")
+    parser.add_argument("--hidden-tp", type=int, nargs="+", default=[2, 4],
+                        help="TP sizes of the output-layer section")
+    parser.add_argument("--chunk", type=int, default=2048,
+                        help="model.logprob_chunk_tokens of the output-layer section")
+    parser.add_argument("--only-hidden", action="store_true",
+                        help="print only the output-layer section")
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         kind, tp, dtype, entropy = args.variant.split(":")
-        print(json.dumps(run_variant(kind, args.tokens, args.vocab, int(tp), dtype, entropy)))
+        if kind.startswith("hidden"):
+            result = run_from_hidden(kind, args.tokens, args.vocab, int(tp), args.hidden,
+                                     args.chunk)
+        else:
+            result = run_variant(kind, args.tokens, args.vocab, int(tp), dtype, entropy)
+        print(json.dumps(result))
         return
 
     def measure(kind, tp, dtype="float32", entropy="none"):
         out = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--vocab",
-                              str(args.vocab), "--variant", f"{kind}:{tp}:{dtype}:{entropy}"],
+                              str(args.vocab), "--hidden", str(args.hidden), "--chunk",
+                              str(args.chunk), "--variant", f"{kind}:{tp}:{dtype}:{entropy}"],
                              capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
+    if not args.only_hidden:
+        report_logits(args, measure)
+    print()
+    print(f"train step from the last hidden states (hidden {args.hidden}, fp32, entropy "
+          f"reported), {args.tokens} tokens x vocab {args.vocab}: peak per rank above the inputs")
+    print("TP | logits (MB) | output-layer weight grad (MB) | full logits: peak (MB) | "
+          f"chunks of {args.chunk}: peak (MB) | one chunk's logits (MB) | chunked / full")
+    print("--- | --- | --- | --- | --- | --- | ---")
+    for tp in args.hidden_tp:
+        full = measure("hidden_full", tp)
+        chunked = measure("hidden_chunked", tp)
+        print(f"{tp} | {full['logits_mb']:.0f} | {full['weight_grad_mb']:.0f} | "
+              f"{full['peak_mb']:.0f} | {chunked['peak_mb']:.0f} | "
+              f"{chunked['chunk_logits_mb']:.0f} | {chunked['peak_mb'] / full['peak_mb']:.2f}")
+
+
+def report_logits(args, measure) -> None:
+    """The sections on given logits (vocab-parallel vs naive, entropy, forward-only)."""
     naive = measure("naive", 1)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch CPU, fp32; "
           f"{args.tokens} tokens x vocab {args.vocab}")

@@ -36,6 +36,12 @@ class ModelConfig:
     ``float16`` is refused: it needs dynamic loss scaling, which this trainer does not wire."""
     recompute_activations: bool = False
     """Recompute transformer layers in the backward pass (megatron-core full recompute)."""
+    logprob_chunk_tokens: int = 2048
+    """Tokens whose logits the actor computes at a time for log-probs and entropy (training,
+    old log-probs, reference): the output layer is applied chunk by chunk to the last hidden
+    states and each chunk's logits are recomputed in the backward, so at most one chunk's
+    logits (``chunk x vocab / TP`` floats) and their gradient are alive instead of the whole
+    micro-batch's; 0 computes the micro-batch's full logits at once."""
     transformer_engine: Literal["auto", "required", "off"] = "auto"
     """Actor layer implementation: TransformerEngine's spec when it is usable on a GPU
     (``auto``), always (``required``: an error naming the import failure otherwise) or never
@@ -43,6 +49,9 @@ class ModelConfig:
     load into either."""
 
     def __post_init__(self):
+        if self.logprob_chunk_tokens < 0:
+            raise ValueError("model.logprob_chunk_tokens must be >= 0 (0: full logits), got "
+                             f"{self.logprob_chunk_tokens}")
         if self.params_dtype == "float16":
             # megatron's fp16 optimizer scales the loss, but the scale must be applied in the
             # backward (config.grad_scale_func) and an overflow must skip the step; neither is

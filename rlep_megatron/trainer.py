@@ -22,6 +22,7 @@ no feature flags inside.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -216,6 +217,8 @@ class Trainer:
             self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
                                                    cfg.model.recompute_activations,
                                                    cfg.model.transformer_engine)
+        self.info = dataclasses.replace(self.info,
+                                        logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
         # the KL term's reference: the initial weights, copied before any update or resume
         self.reference = None
         if cfg.algo.kl_coef > 0:

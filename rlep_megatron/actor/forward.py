@@ -13,7 +13,7 @@ import torch
 
 from rlep_megatron import distributed
 from rlep_megatron.actor import routing
-from rlep_megatron.actor.logprob import vocab_parallel_logprobs
+from rlep_megatron.actor.logprob import next_token_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 
 
@@ -146,12 +146,12 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         routing.note_micro_batch(batch, model.config)
         output = packing.run_model(
             model, ids, batch["position_ids"].to(device),
-            {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")} if packed else None)
+            {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")} if packed else None,
+            hidden_states=bool(info.logprob_chunk_tokens))
 
-        def collect(logits):
-            logp, entropy = vocab_parallel_logprobs(
-                logits[:, :ids.shape[1] - 1], ids[:, 1:], info.dims.vocab_size, tp_rank, tp_group,
-                temperature, with_entropy)
+        def collect(output):
+            logp, entropy = next_token_logprobs(model, info, output, ids, tp_rank, tp_group,
+                                                temperature, with_entropy)
             zeros = torch.zeros(ids.shape[0], 1, dtype=logp.dtype, device=logp.device)
             values = {"logp": torch.cat([zeros, logp], dim=1).detach()}
             if with_entropy:

@@ -125,13 +125,15 @@ def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
 
 
 def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              packed: Optional[dict] = None):
+              packed: Optional[dict] = None, hidden_states: bool = False):
     """``model(input_ids, position_ids)`` (THD-packed when ``packed`` holds the micro-batch's
     ``cu_seqlens`` / ``max_seqlen``). With sequence parallelism the token count must be a
     multiple of the TP size: the micro-batch is extended on the right (padded rows: pad
     tokens at the following positions; a pack: one filler sequence), which changes no earlier
     token's output under causal attention. The last stage's logits then have extra trailing
-    columns: callers read the first ``input_ids.shape[1]`` only."""
+    columns: callers read the first ``input_ids.shape[1]`` only. ``hidden_states``: the last
+    stage returns the last hidden states instead of the logits
+    (:func:`rlep_megatron.actor.logprob.hidden_states_out`)."""
     config = model.config
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     length = input_ids.shape[1]
@@ -147,7 +149,12 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
                       "max_seqlen": torch.clamp(packed["max_seqlen"], min=extra)}
         position_ids = torch.cat([position_ids, tail.expand(position_ids.shape[0], -1)], dim=1)
     extra_kwargs = {"packed_seq_params": packed_seq_params(packed)} if packed else {}
-    return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)
+    if not hidden_states:
+        return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)
+    from rlep_megatron.actor.logprob import hidden_states_out
+
+    with hidden_states_out(model):
+        return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)
 
 
 def schedule_seq_length(longest: int, model: torch.nn.Module) -> int:

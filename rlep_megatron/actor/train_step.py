@@ -20,7 +20,7 @@ from rlep_megatron import distributed
 from rlep_megatron.actor import packing
 from rlep_megatron.actor import routing
 from rlep_megatron.actor.forward import _no_ones, fit_to_schedule, match_expert_parallel_count
-from rlep_megatron.actor.logprob import vocab_parallel_logprobs
+from rlep_megatron.actor.logprob import next_token_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 from rlep_megatron.actor.optimizer import ActorOptimizer
 from rlep_megatron.algo import policy_loss
@@ -192,14 +192,14 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         packed = "cu_seqlens" in mb
         routing.note_micro_batch(mb, model.config)
         output = packing.run_model(model, mb["input_ids"], mb["position_ids"],
-                                   mb if packed else None)
+                                   mb if packed else None,
+                                   hidden_states=bool(info.logprob_chunk_tokens))
 
-        def loss_func(logits):
+        def loss_func(output):
             # the entropy is always reported; it needs autograd only as a loss term
-            logp, entropy = vocab_parallel_logprobs(
-                logits[:, :mb["input_ids"].shape[1] - 1], mb["input_ids"][:, 1:], info.dims.vocab_size, tp_rank,
-                tp_group, temperature, with_entropy=True,
-                entropy_grad=algo.entropy_coef != 0.0)
+            logp, entropy = next_token_logprobs(model, info, output, mb["input_ids"], tp_rank,
+                                                tp_group, temperature, with_entropy=True,
+                                                entropy_grad=algo.entropy_coef != 0.0)
             zeros = torch.zeros_like(logp[:, :1])
             logp, entropy = torch.cat([zeros, logp], 1), torch.cat([zeros, entropy], 1)
             if packed:  # back to [rows, columns], like the batch's other tensors

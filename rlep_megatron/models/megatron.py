@@ -31,6 +31,10 @@ class ActorModelInfo:
     padded_vocab_size: int
     params_dtype: torch.dtype
     use_te: bool
+    logprob_chunk_tokens: int = 2048
+    """Tokens whose logits the log-prob passes compute at a time from the last hidden states
+    (recomputed in the backward); 0: the output layer's full logits
+    (``model.logprob_chunk_tokens``)."""
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -3,6 +3,7 @@
 tensors) and the step metrics to ``--out``."""
 import argparse
 import contextlib
+import dataclasses
 
 import torch
 
@@ -65,6 +66,8 @@ def main():
     parser.add_argument("--packing", action="store_true",
                         help="sequence packing for the old log-probs and the step, and the "
                              "token-balanced split over data-parallel ranks")
+    parser.add_argument("--logprob-chunk", type=int, default=None,
+                        help="model.logprob_chunk_tokens (0: full logits)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
@@ -77,6 +80,8 @@ def main():
         seed=0)
     chunks, info = build_from_hf(args.hf_dir, args.dtype, recompute_activations=args.recompute,
                                  transformer_engine=args.transformer_engine)
+    if args.logprob_chunk is not None:
+        info = dataclasses.replace(info, logprob_chunk_tokens=args.logprob_chunk)
     # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise
     # amplify 1e-9 differences in near-zero gradients to O(lr)
     # (the comparison with the transformers reference takes a realistic eps and a weight decay

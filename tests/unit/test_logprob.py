@@ -59,3 +59,67 @@ def test_forward_only_logprobs_in_chunks_match_a_float64_softmax(monkeypatch, ch
     assert logp.shape == entropy.shape == targets.shape and logp.dtype == torch.float32
     torch.testing.assert_close(logp.double(), expected_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy.double(), expected_entropy, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 1000])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.3])
+def test_chunked_output_layer_logprobs_match_float64_autograd(chunk_tokens, entropy_coef):
+    """The output layer applied chunk by chunk with an analytic backward (logits recomputed per
+    chunk): log-probs, entropy and the gradients of the hidden states and of the weight equal
+    float64 autograd through the full logits (padded vocabulary, temperature), for chunks of one
+    token, of part of the batch, and of all of it; the entropy is a loss term or not."""
+    from rlep_megatron.actor.logprob import output_layer_logprobs
+
+    generator = torch.Generator().manual_seed(2)
+    real_vocab, padded, width = 13, 16, 8
+    hidden64 = torch.randn(3, 5, width, generator=generator, dtype=torch.float64)
+    weight64 = torch.randn(padded, width, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, real_vocab, (3, 5), generator=generator)
+    upstream = torch.randn(3, 5, generator=generator, dtype=torch.float64)
+
+    hidden = hidden64.float().requires_grad_()
+    weight = weight64.float().requires_grad_()
+    logp, entropy = output_layer_logprobs(hidden, weight, targets, real_vocab, temperature=0.7,
+                                          with_entropy=True, entropy_grad=entropy_coef != 0,
+                                          chunk_tokens=chunk_tokens)
+    assert entropy.requires_grad is (entropy_coef != 0)
+    loss = (logp * upstream.float()).sum() + (entropy_coef * entropy.sum() if entropy_coef
+                                              else 0.0)
+    loss.backward()
+
+    h, w = hidden64.clone().requires_grad_(), weight64.clone().requires_grad_()
+    reference = torch.log_softmax((h @ w.T)[..., :real_vocab] / 0.7, dim=-1)
+    expected_logp = reference.gather(-1, targets[..., None])[..., 0]
+    expected_entropy = -(reference.exp() * reference).sum(-1)
+    ((expected_logp * upstream).sum() + entropy_coef * expected_entropy.sum()).backward()
+    torch.testing.assert_close(logp.double(), expected_logp.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), expected_entropy.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(hidden.grad.double(), h.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), w.grad, rtol=0, atol=1e-5)
+    assert w.grad[real_vocab:].abs().max() == 0 and weight.grad[real_vocab:].abs().max() == 0
+
+
+def test_chunked_output_layer_logprobs_equal_the_full_logits_path():
+    """In float32, chunked (3 tokens at a time) and full logits agree within float rounding in
+    values and gradients, with and without autograd."""
+    from rlep_megatron.actor.logprob import output_layer_logprobs
+
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 7, 16, generator=generator).requires_grad_()
+    weight = (torch.randn(40, 16, generator=generator) * 0.5).requires_grad_()
+    targets = torch.randint(0, 37, (2, 7), generator=generator)
+    logp, entropy = output_layer_logprobs(hidden, weight, targets, 37, with_entropy=True,
+                                          chunk_tokens=3)
+    (logp.sum() + 0.1 * entropy.sum()).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    full_logp, full_entropy = vocab_parallel_logprobs(hidden @ weight.T, targets, 37,
+                                                      with_entropy=True)
+    (full_logp.sum() + 0.1 * full_entropy.sum()).backward()
+    torch.testing.assert_close(logp, full_logp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, full_entropy, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        again, _ = output_layer_logprobs(hidden, weight, targets, 37, chunk_tokens=3)
+    assert torch.equal(again, logp.detach())
