@@ -6,6 +6,9 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
 * ``rlep config [--config F] [overrides...] [--keys | --reference]``: validate a recipe and
   print the resolved configuration as YAML (``--keys`` lists every valid ``section.key``,
   ``--reference`` documents each: type, default, meaning).
+* ``rlep plan --config F [--gpus N --gpu-mem-gib G] [--json]``: per-GPU memory of the recipe's
+  actor, reference and vLLM engine, and the time per step at an assumed MFU, before launch
+  (:mod:`rlep_megatron.plan`).
 * ``rlep train --config F [overrides...]``: the RL loop (baseline DAPO/GRPO, or RLEP when
   ``replay.num_replays_per_prompt`` > 0); resumes from ``checkpoint.resume``.
 * ``rlep collect --config F [overrides...]``: the experience pool from ``collect.checkpoint``.
@@ -52,6 +55,19 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if not args.no_files:
         check_run_config(cfg, "config")
     print(yaml.safe_dump(config_lib.config_to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from rlep_megatron import plan
+
+    cfg = config_lib.load_config(args.config, args.overrides)
+    hf_config = plan.load_model_config(cfg, args.hf_config)
+    result = plan.plan(cfg, hf_config, args.gpus, args.gpu_mem_gib, args.mfu, args.gpu,
+                       spec="local" if args.local_spec else "te")
+    print(json.dumps(result, indent=1) if args.json else plan.format_plan(result))
     return 0
 
 
@@ -135,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     p_config.add_argument("--no-files", action="store_true",
                           help="check the recipe alone, not the model and files it names")
     p_config.set_defaults(func=_cmd_config)
+    p_plan = sub.add_parser("plan", help="per-GPU memory and step time of a recipe, before "
+                            "launch (no GPU needed)")
+    _add_common(p_plan)
+    p_plan.add_argument("--gpus", type=int, default=8, help="GPUs of the run (default 8)")
+    p_plan.add_argument("--gpu-mem-gib", type=float, default=80.0,
+                        help="memory of one GPU in GiB (default 80: H100)")
+    p_plan.add_argument("--gpu", default="h100", help="h100, h200 or a100: peak bf16 FLOP/s")
+    p_plan.add_argument("--mfu", type=float, default=0.3,
+                        help="assumed model FLOPs utilisation for the time per step")
+    p_plan.add_argument("--hf-config", default=None,
+                        help="the model's config.json (default: model.hf_dir/config.json)")
+    p_plan.add_argument("--local-spec", action="store_true",
+                        help="activations of megatron-core's local layer spec (CPU, GPUs "
+                             "without TransformerEngine) instead of TransformerEngine's")
+    p_plan.add_argument("--json", action="store_true",
+                        help="one JSON object (keys: README, 'Before launch')")
+    p_plan.set_defaults(func=_cmd_plan)
     p_train = sub.add_parser("train", help="run RL training (baseline or RLEP)")
     _add_common(p_train)
     p_train.set_defaults(func=_cmd_train)

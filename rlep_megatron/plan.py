@@ -1,0 +1,438 @@
+"""``rlep plan``: what one GPU holds for a recipe, before launch.
+
+Parameter, gradient and optimizer bytes are counted on the real actor: the recipe's model built
+on the meta device (no storage) for one rank of each pipeline stage, in a simulated process
+group of ``--gpus`` ranks (torch's ``fake`` backend), so every padding, tied copy and expert
+split is the one the run will have. Activations follow the per-layer accounting of Korthikanti
+et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4),
+written per saved tensor for what this actor runs: no dropout, fused (flash) attention (no
+``s x s`` scores), grouped-query attention, SwiGLU, optional q/k norms and routed experts.
+Everything else (logits, reference policy, vLLM) is arithmetic on the recipe, with each
+assumption named in the output.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from rlep_megatron.config import RunConfig
+
+GIB = 2 ** 30
+CUDA_CONTEXT_GIB = 1.0
+"""Assumed per-GPU memory outside tensors: CUDA context, NCCL buffers, allocator slack."""
+VLLM_WORKSPACE_GIB = 2.0
+"""Assumed vLLM memory inside its budget besides weights and KV cache (activations of the
+largest batch, CUDA graphs, sampler)."""
+UNCHUNKED_LOGITS_COPIES = 5.3
+"""Peak of the full-logits log-prob + backward in fp32 copies of the logits (measured by
+``bench/logprob_memory.py``: 12.5 GB for 2.4 GB of logits)."""
+PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}
+
+
+@dataclasses.dataclass
+class StageParams:
+    """Parameters held by one rank of a pipeline stage (all its virtual chunks)."""
+
+    dense: int = 0
+    """Elements of parameters replicated over data-parallel ranks."""
+    expert: int = 0
+    """Elements of routed-expert parameters (replicated over the expert data-parallel
+    ranks)."""
+    layers: int = 0
+    """Transformer layers of this rank."""
+    has_output_layer: bool = False
+
+
+def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams]:
+    """One entry per pipeline stage: the parameters of its first rank, counted on the actor
+    built on the meta device inside a simulated ``gpus``-rank process group."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from rlep_megatron import distributed, platform
+    from rlep_megatron.models.megatron import build_model, unwrap
+
+    if torch.distributed.is_initialized():
+        raise RuntimeError("rlep plan runs alone, not inside a distributed job")
+    platform.install_megatron_cpu_shim()
+    par = cfg.parallel
+    stages = []
+    for stage in range(par.pipeline_model_parallel_size):
+        rank = stage * (gpus // par.pipeline_model_parallel_size)
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank,
+                                             world_size=gpus)
+        saved_sp = distributed._SEQUENCE_PARALLEL
+        try:
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=par.tensor_model_parallel_size,
+                pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+                context_parallel_size=par.context_parallel_size,
+                expert_model_parallel_size=par.expert_model_parallel_size,
+                create_gloo_process_groups=False)
+            if ps.get_pipeline_model_parallel_rank() != stage:
+                raise AssertionError(f"rank {rank} is not on pipeline stage {stage}")
+            distributed._SEQUENCE_PARALLEL = par.sequence_parallel
+            chunks, _ = build_model(hf_config, torch.bfloat16, on_meta_device=True)
+            counted = StageParams()
+            for chunk in chunks:
+                gpt = unwrap(chunk)
+                counted.layers += len(gpt.decoder.layers)
+                counted.has_output_layer |= bool(gpt.post_process)
+                for param in chunk.parameters():
+                    if getattr(param, "allreduce", True):
+                        counted.dense += param.numel()
+                    else:
+                        counted.expert += param.numel()
+            stages.append(counted)
+        finally:
+            distributed._SEQUENCE_PARALLEL = saved_sp
+            ps.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+    return stages
+
+
+def layer_activation_elements(hf_config: dict, tp: int, sequence_parallel: bool,
+                              moe_layer: bool, spec: str = "te") -> float:
+    """Elements saved for the backward by one transformer layer, per token of a micro-batch,
+    on one TP rank (Korthikanti et al.'s terms without dropout masks or attention scores).
+
+    TransformerEngine's spec (``te``), what a GPU run uses:
+
+    * attention: the norm's input and normalised output (``h`` each, split by TP under
+      sequence parallelism: TE's fused norm + linear keeps both), Q, K, V after the rotary
+      embedding (``q + 2 kv`` / TP), the q/k norms' inputs where the model has them, and the
+      attention output, which is also the projection's input (``q`` / TP);
+    * dense MLP: the norm's input and output, the gate/up output (``2 f`` / TP, the fused
+      SwiGLU's input) and the SwiGLU output (``f`` / TP, the down projection's input);
+    * routed experts: the norm's input and output, the router's float32 logits (``E``, two
+      16-bit elements each), and per routed copy (top-k) of a token its permuted input and
+      expert output (``2 h``) and the experts' gate/up and SwiGLU outputs (``3 f_moe``), over
+      TP (tokens are split over the TP ranks by sequence parallelism).
+
+    megatron-core's local spec (``local``, CPU and GPUs without TE) keeps more: each norm its
+    input, normalised input and scaled output (``3 h``), K and V repeated to every query head
+    (``4 q`` in all), and the unfused SwiGLU the gate/up output, the SiLU output, its input
+    and the product (``5 f``)."""
+    from rlep_megatron.models import llama_family, num_experts
+
+    if spec not in ("te", "local"):
+        raise ValueError(f"spec must be te or local, got {spec!r}")
+    local = spec == "local"
+    dims = llama_family.dims_from_config(hf_config)
+    h = dims.hidden_size
+    q = dims.num_attention_heads * dims.head_dim
+    kv = dims.num_query_groups * dims.head_dim
+    hs = h / tp if sequence_parallel else h
+    norm = 3 * hs if local else 2 * hs
+    attention = norm + ((4 * q) if local else (2 * q + 2 * kv)) / tp
+    if hf_config.get("model_type") in ("qwen3", "qwen3_moe"):
+        attention += (q + kv) / tp
+    if moe_layer:
+        experts = num_experts(hf_config)
+        top_k = int(hf_config.get("num_experts_per_tok", 1))
+        f_moe = int(hf_config.get("moe_intermediate_size", dims.ffn_hidden_size))
+        mlp = norm + 2 * experts / tp + top_k * (2 * h + (5 if local else 3) * f_moe) / tp
+    else:
+        mlp = norm + (5 if local else 3) * dims.ffn_hidden_size / tp
+    return attention + mlp
+
+
+def _moe_layer_flags(hf_config: dict) -> list[bool]:
+    from rlep_megatron.models import num_experts
+
+    layers = int(hf_config["num_hidden_layers"])
+    if not num_experts(hf_config):
+        return [False] * layers
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    step = int(hf_config.get("decoder_sparse_step", 1) or 1)
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
+def activation_bytes(hf_config: dict, cfg: RunConfig, tokens: int, stage: int,
+                     dtype_bytes: int, spec: str = "te") -> dict[str, float]:
+    """Activation bytes of pipeline stage ``stage`` at the peak of a training step:
+    ``in_flight`` micro-batches of ``tokens`` tokens (1F1B: PP - stage; interleaved: plus the
+    warm-up of the virtual chunks), with and without full recompute."""
+    par = cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    flags = _moe_layer_flags(hf_config)
+    per_stage = len(flags) // pp
+    mine = flags[stage * per_stage:(stage + 1) * per_stage]
+    per_layer = [layer_activation_elements(hf_config, tp, par.sequence_parallel, moe, spec)
+                 * tokens * dtype_bytes for moe in mine]
+    hidden = int(hf_config["hidden_size"])
+    layer_input = tokens * hidden / (tp if par.sequence_parallel else 1) * dtype_bytes
+    vpp = par.virtual_pipeline_model_parallel_size or 1
+    in_flight = pp - stage if vpp == 1 else pp - stage + (pp - 1) / vpp
+    in_flight = max(1.0, in_flight)
+    full = sum(per_layer) * in_flight
+    # full recompute: each layer keeps its input; one layer's activations are rebuilt at a time
+    recompute = layer_input * len(mine) * in_flight + max(per_layer, default=0.0)
+    return {"in_flight_micro_batches": in_flight, "without_recompute": full,
+            "with_recompute": recompute}
+
+
+def logits_bytes(hf_config: dict, cfg: RunConfig, tokens: int, padded_vocab: int,
+                 dtype_bytes: int) -> float:
+    """The last stage's log-prob step: chunked, the gathered hidden states plus the larger of
+    the forward's two float32 chunk buffers and the backward's one with the output weight's
+    float32 gradient accumulator (and its 16-bit chunk product); unchunked, the measured peak
+    of the full logits (``bench/logprob_memory.py`` measures both)."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    hidden = int(hf_config["hidden_size"])
+    shard = padded_vocab // tp
+    chunk = cfg.model.logprob_chunk_tokens
+    if chunk:
+        one_chunk = min(chunk, tokens) * shard * 4
+        weight_grad = shard * hidden * (4 + (dtype_bytes if dtype_bytes != 4 else 0))
+        # forward: a chunk's logits and exponentials; backward: one chunk + the accumulator
+        return tokens * hidden * dtype_bytes + max(2 * one_chunk, one_chunk + weight_grad)
+    return UNCHUNKED_LOGITS_COPIES * tokens * shard * 4
+
+
+def vllm_bytes(hf_config: dict, cfg: RunConfig, total_params: int, gpu_bytes: float,
+               dtype_bytes: int) -> dict[str, float]:
+    """The rollout engine on one GPU: its budget (``gpu_memory_utilization`` of the GPU), the
+    weights of one rollout-TP shard, and the KV cache left after the assumed workspace."""
+    from rlep_megatron.models import llama_family
+
+    dims = llama_family.dims_from_config(hf_config)
+    rtp = cfg.rollout.tensor_model_parallel_size
+    budget = cfg.rollout.gpu_memory_utilization * gpu_bytes
+    weights = total_params * dtype_bytes / rtp
+    kv_heads = max(1.0, dims.num_query_groups / rtp)
+    per_token = 2 * int(hf_config["num_hidden_layers"]) * kv_heads * dims.head_dim * dtype_bytes
+    kv_cache = budget - weights - VLLM_WORKSPACE_GIB * GIB
+    sequence = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    return {"budget": budget, "weights": weights, "kv_cache": kv_cache,
+            "kv_bytes_per_token": per_token, "kv_tokens": max(0.0, kv_cache) / per_token,
+            "full_length_sequences": max(0.0, kv_cache) / per_token / sequence}
+
+
+def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
+         mfu: float = 0.3, gpu: str = "h100", spec: str = "te") -> dict[str, Any]:
+    """The whole plan as one JSON-able dict (keys documented in README "Before launch")."""
+    from rlep_megatron.distributed import validate_parallel_layout
+    from rlep_megatron.models import layout, layout_limits, llama_family, num_experts
+
+    if gpu_mem_gib <= 0:
+        raise ValueError(f"--gpu-mem-gib must be > 0, got {gpu_mem_gib}")
+    if gpu not in PEAK_TFLOPS:
+        raise ValueError(f"--gpu must be one of {sorted(PEAK_TFLOPS)}, got {gpu!r}")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
+    par = cfg.parallel
+    validate_parallel_layout(gpus, par, **layout_limits(hf_config))
+    if gpus % cfg.rollout.tensor_model_parallel_size:
+        raise ValueError(f"rollout.tensor_model_parallel_size="
+                         f"{cfg.rollout.tensor_model_parallel_size} does not divide {gpus} GPUs")
+    gpu_bytes = gpu_mem_gib * GIB
+    dtype_bytes = 4 if cfg.model.params_dtype == "float32" else 2
+    tp, pp, ep = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                  par.expert_model_parallel_size)
+    dp = gpus // (tp * pp * par.context_parallel_size)
+    expert_dp = gpus // (pp * ep * tp)
+    stages = stage_params(hf_config, cfg, gpus)
+    dims = llama_family.dims_from_config(hf_config)
+    padded_vocab = layout.padded_vocab_size(dims.vocab_size, tp)
+    total = _total_params(hf_config, stages, cfg)
+    tokens = cfg.trainer.micro_batch_max_tokens
+    # optimizer: fp32 master copy (16-bit models) + Adam's two moments, sharded over
+    # (expert) data-parallel ranks by the distributed optimizer
+    per_param_state = (4 if dtype_bytes != 4 else 0) + 8
+    reference = 0.0 if cfg.algo.kl_coef <= 0 or cfg.algo.reference_offload else 1.0
+    rollout = vllm_bytes(hf_config, cfg, total["total_params"], gpu_bytes, dtype_bytes)
+    per_stage = []
+    for index, counted in enumerate(stages):
+        numel = counted.dense + counted.expert
+        if cfg.optim.use_distributed_optimizer:
+            optim = per_param_state * (counted.dense / dp + counted.expert / expert_dp)
+        else:
+            optim = per_param_state * numel
+        act = activation_bytes(hf_config, cfg, tokens, index, dtype_bytes, spec)
+        chosen = act["with_recompute" if cfg.model.recompute_activations
+                     else "without_recompute"]
+        logits = (logits_bytes(hf_config, cfg, tokens, padded_vocab, dtype_bytes)
+                  if counted.has_output_layer else 0.0)
+        params, grads = numel * dtype_bytes, numel * 4
+        ref = reference * params
+        sleeping = 0.0 if cfg.rollout.enable_sleep_mode else rollout["budget"]
+        train_peak = (params + grads + optim + chosen + logits + ref + sleeping
+                      + CUDA_CONTEXT_GIB * GIB)
+        resident = params + ref + (0.0 if cfg.optim.offload_during_rollout else grads + optim)
+        rollout_peak = resident + rollout["budget"] + CUDA_CONTEXT_GIB * GIB
+        per_stage.append({
+            "stage": index, "layers": counted.layers, "params": numel,
+            "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim,
+            "activation_bytes": chosen,
+            "activation_bytes_without_recompute": act["without_recompute"],
+            "activation_bytes_with_recompute": act["with_recompute"],
+            "in_flight_micro_batches": act["in_flight_micro_batches"],
+            "logits_bytes": logits, "reference_bytes": ref,
+            "train_peak_gib": train_peak / GIB, "rollout_peak_gib": rollout_peak / GIB})
+    worst_train = max(per_stage, key=lambda s: s["train_peak_gib"])
+    worst_rollout = max(per_stage, key=lambda s: s["rollout_peak_gib"])
+    fits_train = worst_train["train_peak_gib"] <= gpu_mem_gib
+    fits_rollout = (worst_rollout["rollout_peak_gib"] <= gpu_mem_gib
+                    and rollout["full_length_sequences"] >= 1)
+    flops = step_flops(hf_config, cfg, total)
+    seconds = flops["total"] / (gpus * PEAK_TFLOPS[gpu] * 1e12 * mfu)
+    return {
+        "gpus": gpus, "gpu_mem_gib": gpu_mem_gib, "data_parallel_size": dp,
+        "total_params": total["total_params"], "active_params": total["active_params"],
+        "experts": num_experts(hf_config),
+        "params_per_gpu": max(s["params"] for s in per_stage),
+        "stages": per_stage, "rollout": rollout,
+        "peak_train_gib": worst_train["train_peak_gib"],
+        "peak_rollout_gib": worst_rollout["rollout_peak_gib"],
+        "fits_train": fits_train, "fits_rollout": fits_rollout,
+        "fits": fits_train and fits_rollout,
+        "advice": _advice(cfg, fits_train, fits_rollout, rollout),
+        "flops_per_step": flops, "mfu": mfu, "gpu": gpu,
+        "seconds_per_step_at_mfu": seconds,
+        "assumptions": {"cuda_context_gib": CUDA_CONTEXT_GIB,
+                        "vllm_workspace_gib": VLLM_WORKSPACE_GIB,
+                        "sequences_at_full_length": True,
+                        "layer_spec": spec,
+                        "attention": "fused (flash): no s x s scores"},
+    }
+
+
+def _total_params(hf_config: dict, stages: list[StageParams], cfg: RunConfig) -> dict:
+    """Whole-model parameter counts (one copy; the vocabulary unpadded) from the HF config,
+    and the parameters one token passes through (top-k of the experts)."""
+    from rlep_megatron.models import llama_family, num_experts
+
+    dims = llama_family.dims_from_config(hf_config)
+    h, v = dims.hidden_size, dims.vocab_size
+    q, kv = dims.num_attention_heads * dims.head_dim, dims.num_query_groups * dims.head_dim
+    attention = h * (q + 2 * kv) + q * h + 2 * h
+    if hf_config.get("attention_bias") or hf_config.get("model_type") == "qwen2":
+        attention += q + 2 * kv
+    if hf_config.get("model_type") in ("qwen3", "qwen3_moe"):
+        attention += 2 * dims.head_dim
+    experts = num_experts(hf_config)
+    f_moe = int(hf_config.get("moe_intermediate_size", dims.ffn_hidden_size))
+    top_k = int(hf_config.get("num_experts_per_tok", 1))
+    total = active = 0
+    for moe in _moe_layer_flags(hf_config):
+        if moe:
+            total += attention + h * experts + experts * 3 * h * f_moe
+            active += attention + h * experts + top_k * 3 * h * f_moe
+        else:
+            total += attention + 3 * h * dims.ffn_hidden_size
+            active += attention + 3 * h * dims.ffn_hidden_size
+    head = 0 if hf_config.get("tie_word_embeddings") else v * h
+    embeddings = v * h + head + h
+    return {"total_params": total + embeddings, "active_params": active,
+            "non_embedding_params": total}
+
+
+def step_flops(hf_config: dict, cfg: RunConfig, total: dict) -> dict[str, float]:
+    """Model FLOPs of one RL step with every sequence at full length (an upper bound): 2 N per
+    token forward (N: parameters a token passes through, plus the output layer) and
+    ``2 x layers x q x L`` per token for causal attention; training is 3 forwards, the
+    old-log-prob pass (and the reference's) one, the rollout one per token."""
+    from rlep_megatron.models import llama_family
+
+    dims = llama_family.dims_from_config(hf_config)
+    n = total["active_params"] + dims.vocab_size * dims.hidden_size
+    prompt, response = cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens
+    length = prompt + response
+    q = dims.num_attention_heads * dims.head_dim
+    layers = int(hf_config["num_hidden_layers"])
+    per_sequence_forward = 2 * n * length + 2 * layers * q * length * length
+    prompts = cfg.data.train_batch_size
+    fresh = prompts * cfg.rollout.num_samples_per_prompt
+    trained = prompts * (cfg.rollout.num_samples_per_prompt
+                         + cfg.replay.num_replays_per_prompt)
+    forwards = 1 + (1 if cfg.algo.kl_coef > 0 else 0)
+    out = {"rollout": fresh * per_sequence_forward,
+           "logprobs": forwards * trained * per_sequence_forward,
+           "train": 3 * trained * per_sequence_forward}
+    out["total"] = sum(out.values())
+    return out
+
+
+def _advice(cfg: RunConfig, fits_train: bool, fits_rollout: bool, rollout: dict) -> list[str]:
+    out = []
+    par = cfg.parallel
+    if not fits_train:
+        if not cfg.model.recompute_activations:
+            out.append("model.recompute_activations=true (keeps one input per layer)")
+        if par.tensor_model_parallel_size > 1 and not par.sequence_parallel:
+            out.append("parallel.sequence_parallel=true (norm/residual activations / TP)")
+        out.append(f"trainer.micro_batch_max_tokens below {cfg.trainer.micro_batch_max_tokens}"
+                   " (activations and logits scale with it)")
+        if not cfg.optim.use_distributed_optimizer:
+            out.append("optim.use_distributed_optimizer=true (Adam state / DP)")
+        if not cfg.model.logprob_chunk_tokens:
+            out.append("model.logprob_chunk_tokens=2048 (one chunk of logits at a time)")
+        out.append("a larger parallel.tensor_model_parallel_size or "
+                   "pipeline_model_parallel_size (weights, gradients and activations / TP x PP)")
+    if not fits_rollout:
+        if rollout["full_length_sequences"] < 1:
+            out.append("rollout.gpu_memory_utilization up, or a larger "
+                       "rollout.tensor_model_parallel_size: the KV cache does not hold one "
+                       "full-length sequence")
+        else:
+            if not cfg.optim.offload_during_rollout:
+                out.append("optim.offload_during_rollout=true (gradients and Adam state leave "
+                           "the GPU while vLLM runs)")
+            out.append("rollout.gpu_memory_utilization down (a smaller KV cache)")
+    return out
+
+
+def format_plan(result: dict) -> str:
+    """The human-readable table of :func:`plan`."""
+    gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    lines = [f"{result['total_params'] / 1e9:.2f}B parameters "
+             f"({result['active_params'] / 1e9:.2f}B per token outside the embeddings), "
+             f"{result['gpus']} GPUs of {result['gpu_mem_gib']:g} GiB, DP "
+             f"{result['data_parallel_size']}",
+             "",
+             "per GPU, GiB | " + " | ".join(f"stage {s['stage']}" for s in result["stages"])]
+    rows = [("layers", lambda s: str(s["layers"])),
+            ("parameters (elements)", lambda s: f"{s['params'] / 1e9:.3f}B"),
+            ("weights", lambda s: gib(s["param_bytes"])),
+            ("gradients (fp32 buffer)", lambda s: gib(s["grad_bytes"])),
+            ("optimizer state", lambda s: gib(s["optimizer_bytes"])),
+            ("activations, no recompute", lambda s: gib(s["activation_bytes_without_recompute"])),
+            ("activations, full recompute", lambda s: gib(s["activation_bytes_with_recompute"])),
+            ("micro-batches in flight", lambda s: f"{s['in_flight_micro_batches']:g}"),
+            ("logits step", lambda s: gib(s["logits_bytes"])),
+            ("reference policy", lambda s: gib(s["reference_bytes"])),
+            ("TRAIN PEAK", lambda s: f"{s['train_peak_gib']:.1f}"),
+            ("ROLLOUT PEAK", lambda s: f"{s['rollout_peak_gib']:.1f}")]
+    for label, cell in rows:
+        lines.append(f"{label} | " + " | ".join(cell(s) for s in result["stages"]))
+    r = result["rollout"]
+    lines += ["", f"vLLM per GPU: budget {gib(r['budget'])} = weights {gib(r['weights'])} + "
+              f"workspace {result['assumptions']['vllm_workspace_gib']:g} + KV cache "
+              f"{gib(r['kv_cache'])} ({r['kv_tokens']:.0f} tokens, "
+              f"{r['full_length_sequences']:.1f} full-length sequences)"]
+    f = result["flops_per_step"]
+    lines.append(f"FLOPs per RL step (full-length sequences): {f['total']:.3g} (rollout "
+                 f"{f['rollout']:.3g}, log-probs {f['logprobs']:.3g}, train {f['train']:.3g});"
+                 f" {result['seconds_per_step_at_mfu']:.0f} s at {result['mfu']:.0%} MFU of "
+                 f"{result['gpu'].upper()}s")
+    verdict = "FITS" if result["fits"] else "DOES NOT FIT"
+    lines += ["", f"verdict: {verdict} (train peak {result['peak_train_gib']:.1f} GiB, rollout "
+              f"peak {result['peak_rollout_gib']:.1f} GiB of {result['gpu_mem_gib']:g})"]
+    lines += [f"  try: {advice}" for advice in result["advice"]]
+    return "\n".join(lines)
+
+
+def load_model_config(cfg: RunConfig, hf_config_path: Optional[str]) -> dict:
+    """The HF ``config.json`` of the recipe's model (or the one given)."""
+    import json
+    import os
+
+    path = hf_config_path or os.path.join(cfg.model.hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no model config at {path}: set model.hf_dir to the HF checkpoint, "
+                         "or give its config.json with --hf-config")
+    with open(path) as f:
+        return json.load(f)
