@@ -71,8 +71,11 @@ class ParallelConfig:
     """Model chunks per pipeline stage (interleaved schedule); null for none. Needs at least
     PP micro-batches per step (micro-batches are re-cut to a multiple of PP)."""
     context_parallel_size: int = 1
-    """Context-parallel degree; only 1 is supported (sequences are not split across ranks
-    yet: a larger value would make the ranks repeat each other's work)."""
+    """Context-parallel degree: every sequence of a micro-batch is split over this many ranks
+    (megatron's load-balanced layout: 2 x CP chunks, chunk i and 2 CP - 1 - i on rank i; each
+    sequence padded to a multiple of 2 x CP tokens), dividing activation memory by CP.
+    TransformerEngine's attention on GPU, an all-gather of keys and values on the local spec.
+    Dense models only for now."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside tensor-parallel groups (TP > 1): the norms and
     the activations between the tensor-parallel blocks are split along the sequence, which
@@ -88,11 +91,10 @@ class ParallelConfig:
                     "context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
-        if self.context_parallel_size != 1:
-            raise ValueError(f"parallel.context_parallel_size={self.context_parallel_size} is "
-                             "not supported: sequences are not split across context-parallel "
-                             "ranks, which would only repeat each other's work; use 1 (and "
-                             "tensor/pipeline parallelism for long sequences)")
+        if self.context_parallel_size > 1 and self.expert_model_parallel_size > 1:
+            raise ValueError("parallel.context_parallel_size > 1 with expert parallelism is not "
+                             "supported yet (routing replay and expert counts follow tokens "
+                             "by their place in unsplit sequences); use CP with dense models")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise ValueError("parallel.sequence_parallel=true needs tensor_model_parallel_size "
                              ">= 2 (it splits the sequence across the tensor-parallel ranks)")

@@ -153,7 +153,7 @@ def _moe_layer_flags(hf_config: dict) -> list[bool]:
 def activation_bytes(hf_config: dict, cfg: RunConfig, tokens: int, stage: int,
                      dtype_bytes: int, spec: str = "te") -> dict[str, float]:
     """Activation bytes of pipeline stage ``stage`` at the peak of a training step:
-    ``in_flight`` micro-batches of ``tokens`` tokens (1F1B: PP - stage; interleaved: plus the
+    ``in_flight`` micro-batches of ``tokens`` tokens per rank (a micro-batch / CP) (1F1B: PP - stage; interleaved: plus the
     warm-up of the virtual chunks), with and without full recompute."""
     par = cfg.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -238,7 +238,8 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
     dims = llama_family.dims_from_config(hf_config)
     padded_vocab = layout.padded_vocab_size(dims.vocab_size, tp)
     total = _total_params(hf_config, stages, cfg)
-    tokens = cfg.trainer.micro_batch_max_tokens
+    # context parallelism splits every sequence: each rank holds 1 / CP of a micro-batch
+    tokens = cfg.trainer.micro_batch_max_tokens / par.context_parallel_size
     # optimizer: fp32 master copy (16-bit models) + Adam's two moments, sharded over
     # (expert) data-parallel ranks by the distributed optimizer
     per_param_state = (4 if dtype_bytes != 4 else 0) + 8
@@ -248,7 +249,9 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
     for index, counted in enumerate(stages):
         numel = counted.dense + counted.expert
         if cfg.optim.use_distributed_optimizer:
-            optim = per_param_state * (counted.dense / dp + counted.expert / expert_dp)
+            # sharded over the data-parallel ranks with their context-parallel peers
+            optim = per_param_state * (counted.dense / (dp * par.context_parallel_size)
+                                       + counted.expert / expert_dp)
         else:
             optim = per_param_state * numel
         act = activation_bytes(hf_config, cfg, tokens, index, dtype_bytes, spec)
@@ -370,6 +373,7 @@ def _advice(cfg: RunConfig, fits_train: bool, fits_rollout: bool, rollout: dict)
             out.append("optim.use_distributed_optimizer=true (Adam state / DP)")
         if not cfg.model.logprob_chunk_tokens:
             out.append("model.logprob_chunk_tokens=2048 (one chunk of logits at a time)")
+        out.append("parallel.context_parallel_size=2 or more (activations and logits / CP)")
         out.append("a larger parallel.tensor_model_parallel_size or "
                    "pipeline_model_parallel_size (weights, gradients and activations / TP x PP)")
     if not fits_rollout:

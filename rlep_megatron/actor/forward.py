@@ -144,14 +144,14 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         ids = batch["input_ids"].to(device)
         packed = "cu_seqlens" in batch
         routing.note_micro_batch(batch, model.config)
-        output = packing.run_model(
-            model, ids, batch["position_ids"].to(device),
-            {k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")} if packed else None,
-            hidden_states=bool(info.logprob_chunk_tokens))
+        bounds = ({k: batch[k].to(device) for k in ("cu_seqlens", "max_seqlen")} if packed
+                  else None)
+        output = packing.run_model(model, ids, batch["position_ids"].to(device), bounds,
+                                   hidden_states=bool(info.logprob_chunk_tokens))
 
         def collect(output):
             logp, entropy = next_token_logprobs(model, info, output, ids, tp_rank, tp_group,
-                                                temperature, with_entropy)
+                                                temperature, with_entropy, packed=bounds)
             zeros = torch.zeros(ids.shape[0], 1, dtype=logp.dtype, device=logp.device)
             values = {"logp": torch.cat([zeros, logp], dim=1).detach()}
             if with_entropy:

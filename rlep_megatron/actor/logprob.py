@@ -360,13 +360,20 @@ def output_weight(model: torch.nn.Module) -> torch.Tensor:
 
 def next_token_logprobs(model: torch.nn.Module, info, output: torch.Tensor,
                         input_ids: torch.Tensor, tp_rank: int, tp_group, temperature: float,
-                        with_entropy: bool, entropy_grad: bool = True
+                        with_entropy: bool, entropy_grad: bool = True,
+                        packed: Optional[dict] = None
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``[rows, seq - 1]`` log-probs (and entropy) of ``input_ids[:, 1:]`` from the last
     stage's ``output`` of :func:`rlep_megatron.actor.packing.run_model`: hidden states when
     ``info.logprob_chunk_tokens`` is set (the output layer applied chunk by chunk), logits
-    otherwise. Trailing columns past ``input_ids`` (sequence-parallel fill) are ignored."""
+    otherwise. Trailing columns past ``input_ids`` (sequence-parallel fill) are ignored. With
+    context parallelism ``packed`` (the micro-batch's ``cu_seqlens``, for a pack) says how the
+    sequences were split."""
     width = input_ids.shape[1] - 1
+    config = model.config
+    if config.context_parallel_size > 1:
+        return _context_parallel_logprobs(model, info, output, input_ids, tp_rank, tp_group,
+                                          temperature, with_entropy, entropy_grad, packed)
     if info.logprob_chunk_tokens:
         return output_layer_logprobs(
             output[:, :width], output_weight(model), input_ids[:, 1:], info.dims.vocab_size,
@@ -374,3 +381,38 @@ def next_token_logprobs(model: torch.nn.Module, info, output: torch.Tensor,
             info.logprob_chunk_tokens)
     return vocab_parallel_logprobs(output[:, :width], input_ids[:, 1:], info.dims.vocab_size,
                                    tp_rank, tp_group, temperature, with_entropy, entropy_grad)
+
+
+def _context_parallel_logprobs(model, info, output, input_ids, tp_rank, tp_group, temperature,
+                               with_entropy, entropy_grad, packed):
+    """:func:`next_token_logprobs` when the model saw only this CP rank's chunks of each
+    sequence: each local position's target is the next token of the whole sequence, and the
+    per-token values of every CP rank are gathered back into the micro-batch's layout (each CP
+    rank then computes the same loss; the gather's backward keeps this rank's columns)."""
+    from megatron.core import parallel_state as ps
+
+    from rlep_megatron.models import context_parallel
+
+    config = model.config
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    lay = context_parallel.layout(input_ids, torch.zeros_like(input_ids), packed,
+                                  config.context_parallel_size,
+                                  ps.get_context_parallel_rank(), multiple)
+    following = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+    targets = torch.zeros_like(lay.input_ids)
+    targets[:, lay.original.to(targets.device)] = following
+    local = targets.index_select(1, lay.local.to(targets.device))
+    count = local.shape[1]
+    if info.logprob_chunk_tokens:
+        logp, entropy = output_layer_logprobs(
+            output[:, :count], output_weight(model), local, info.dims.vocab_size, tp_rank,
+            tp_group, temperature, with_entropy, entropy_grad, info.logprob_chunk_tokens)
+    else:
+        logp, entropy = vocab_parallel_logprobs(output[:, :count], local, info.dims.vocab_size,
+                                                tp_rank, tp_group, temperature, with_entropy,
+                                                entropy_grad)
+    width = input_ids.shape[1] - 1
+    logp = context_parallel.gather_tokens(logp, lay)[:, :width]
+    if with_entropy:
+        entropy = context_parallel.gather_tokens(entropy, lay)[:, :width]
+    return logp, entropy

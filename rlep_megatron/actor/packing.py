@@ -138,6 +138,10 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     length = input_ids.shape[1]
     extra = -length % multiple
+    if config.context_parallel_size > 1:  # this rank's chunks of every sequence
+        input_ids, position_ids, packed = context_parallel_inputs(
+            input_ids, position_ids, packed, config)
+        extra = 0
     if extra:
         input_ids = torch.nn.functional.pad(input_ids, (0, extra))
         if packed is None:
@@ -157,12 +161,31 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
         return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)
 
 
+def context_parallel_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor,
+                            packed: Optional[dict], config):
+    """This CP rank's tokens, positions and (global, padded) ``cu_seqlens`` of a micro-batch
+    (:func:`rlep_megatron.models.context_parallel.layout`)."""
+    from megatron.core import parallel_state as ps
+
+    from rlep_megatron.models import context_parallel
+
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    lay = context_parallel.layout(input_ids, position_ids, packed, config.context_parallel_size,
+                                  ps.get_context_parallel_rank(), multiple)
+    local = lay.local.to(input_ids.device)
+    if lay.packed is not None:
+        packed = {k: v.to(input_ids.device) for k, v in lay.packed.items()}
+    return (lay.input_ids.index_select(1, local), lay.position_ids.index_select(1, local),
+            packed)
+
+
 def schedule_seq_length(longest: int, model: torch.nn.Module) -> int:
     """The sequence length to give megatron's schedule for micro-batches of at most
     ``longest`` tokens (rounded up to a multiple of TP under sequence parallelism, like
     :func:`run_model`)."""
     config = model.config
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    multiple *= 2 * config.context_parallel_size if config.context_parallel_size > 1 else 1
     return -(-longest // multiple) * multiple
 
 

@@ -199,7 +199,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
             # the entropy is always reported; it needs autograd only as a loss term
             logp, entropy = next_token_logprobs(model, info, output, mb["input_ids"], tp_rank,
                                                 tp_group, temperature, with_entropy=True,
-                                                entropy_grad=algo.entropy_coef != 0.0)
+                                                entropy_grad=algo.entropy_coef != 0.0,
+                                                packed=mb if packed else None)
             zeros = torch.zeros_like(logp[:, :1])
             logp, entropy = torch.cat([zeros, logp], 1), torch.cat([zeros, entropy], 1)
             if packed:  # back to [rows, columns], like the batch's other tensors

@@ -4,6 +4,8 @@ THD-packed sequences (:mod:`rlep_megatron.actor.packing`) and computed with torc
 natively; this is its counterpart on CPU and on GPUs without TE."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -20,6 +22,15 @@ def _local_attention_class():
         sequences, attended with the causal mask and packed back: each sequence sees only
         itself, exactly as TransformerEngine's THD attention, while the projections, MLPs and
         logits around it run on real tokens only."""
+
+        def __init__(self, config, *args, **kwargs):
+            # megatron's local attention refuses context parallelism; this one takes it
+            # (:func:`context_parallel.local_cp_attention`): build with a CP-free copy of the
+            # config, then keep the real one
+            cp_free = copy.copy(config)
+            cp_free.context_parallel_size = 1
+            super().__init__(cp_free, *args, **kwargs)
+            self.config = config
 
         def _fused(self, query, key, value):
             """``[s, b, heads, dim]`` (keys/values with their query groups) -> ``[s, b, h]``."""
@@ -38,6 +49,14 @@ def _local_attention_class():
                      and not self.config.apply_query_key_layer_scaling
                      and self.config.window_size is None
                      and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal)
+            if self.config.context_parallel_size > 1:
+                if not fused:
+                    raise NotImplementedError("context parallelism with the local layer spec "
+                                              "needs causal attention without dropout, bias "
+                                              "or offset")
+                from rlep_megatron.models.context_parallel import local_cp_attention
+
+                return local_cp_attention(self, query, key, value, packed_seq_params)
             if packed_seq_params is None:
                 if fused:
                     return self._fused(query, key, value)

@@ -50,7 +50,7 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
                        virtual_pipeline_model_parallel_size: Optional[int] = None,
                        recompute_activations: bool = False, use_te: bool = False,
                        on_meta_device: bool = False, expert_model_parallel_size: int = 1,
-                       sequence_parallel: bool = False):
+                       sequence_parallel: bool = False, context_parallel_size: int = 1):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -68,6 +68,10 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         sequence_parallel=sequence_parallel and tensor_model_parallel_size > 1,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        # each sequence split over CP ranks (models/context_parallel.py); TE's attention
+        # exchanges K/V chunks point to point, the local spec all-gathers them
+        context_parallel_size=context_parallel_size,
+        cp_comm_type="p2p" if context_parallel_size > 1 else None,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         # Initialisation must stay on even though HF weights overwrite it: megatron marks
@@ -132,7 +136,8 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
     config = transformer_config(hf_config, tp, pp, params_dtype, vpp, recompute_activations,
                                 use_te, on_meta_device,
                                 ps.get_expert_model_parallel_world_size(),
-                                distributed.sequence_parallel())
+                                distributed.sequence_parallel(),
+                                ps.get_context_parallel_world_size())
     if config.num_moe_experts:
         platform.megatron_moe_without_te()
     if use_te and not config.num_moe_experts:

@@ -145,7 +145,21 @@ def _cpu_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool 
     return tensor
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """megatron's ``get_pos_emb_on_this_cp_rank`` (the rotary embedding of this context-parallel
+    rank's chunks i and 2 CP - 1 - i) without its pinned-memory CUDA index."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, index)
+    return chunks.view(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+
+
 _CPU_FUNCTIONS = (
+    (("megatron.core.models.common.embeddings.rope_utils",
+      "megatron.core.models.common.embeddings.rotary_pos_embedding"),
+     "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank),
     (("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings"),
      "dist_reduce_scatter_func", _gloo_reduce_scatter_tensor),
     (("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings"),

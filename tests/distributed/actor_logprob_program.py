@@ -24,6 +24,10 @@ def main():
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--cp", type=int, default=1, help="context parallelism")
+    parser.add_argument("--mutate-cp-mask", action="store_true",
+                        help="a deliberate bug: the CP attention masks out every key held by "
+                             "another CP rank (the test must catch it)")
     parser.add_argument("--forced-routing", default=None,
                         help="torch file {layer: [rows, columns, k]}: replay these experts")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -33,12 +37,29 @@ def main():
                         help="sequence packing (THD) with this token budget per micro-batch")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    from megatron.core import parallel_state as ps
+
     hf_config = load_hf_config(args.hf_dir)
     distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                        virtual_pipeline_model_parallel_size=args.vpp,
-                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp),
+                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp,
+                       context_parallel_size=args.cp),
         seed=0, **layout_limits(hf_config))
+    if args.mutate_cp_mask:
+        from rlep_megatron.models import context_parallel
+
+        mine = context_parallel.chunk_positions
+        original = context_parallel.causal_mask
+
+        def own_keys_only(query_positions, key_positions):
+            # keys of this rank's chunks only: the relative positions of its queries' chunks
+            owned = torch.zeros(len(key_positions), dtype=torch.bool)
+            length, cp = len(key_positions), ps.get_context_parallel_world_size()
+            owned[mine([0, length], cp, ps.get_context_parallel_rank())] = True
+            return original(query_positions, key_positions) & owned.unsqueeze(0)
+
+        context_parallel.causal_mask = own_keys_only
     chunks, info = build_from_hf(args.hf_dir, args.dtype,
                                  transformer_engine=args.transformer_engine)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
@@ -52,13 +73,10 @@ def main():
                                    with_entropy=True, lengths=lengths,
                                    pack_max_tokens=args.pack_max_tokens)
     # every data-parallel rank computes the same batch here (the trainer gives each its own)
-    from megatron.core import parallel_state as ps
-
     expert_counts = load.totals() / ps.get_data_parallel_world_size()
-    from megatron.core import parallel_state as ps
 
     if (result is not None and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_parallel_rank() == 0):
+            and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0):
         torch.save({"input_ids": input_ids, "lengths": lengths, **result,
                     "expert_counts": expert_counts,
                     "device": str(next(chunks[0].parameters()).device),

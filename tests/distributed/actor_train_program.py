@@ -55,6 +55,7 @@ def main():
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--cp", type=int, default=1, help="context parallelism")
     parser.add_argument("--routing-replay", action="store_true",
                         help="record the old-log-prob pass's experts and replay them in the step")
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
@@ -76,7 +77,8 @@ def main():
     ctx = distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                        virtual_pipeline_model_parallel_size=args.vpp,
-                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp),
+                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp,
+                       context_parallel_size=args.cp),
         seed=0)
     chunks, info = build_from_hf(args.hf_dir, args.dtype, recompute_activations=args.recompute,
                                  transformer_engine=args.transformer_engine)

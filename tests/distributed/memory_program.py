@@ -56,6 +56,7 @@ def main():
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--state", action="store_true")
     parser.add_argument("--activations", type=int, default=0)
     parser.add_argument("--out", required=True)
@@ -64,7 +65,8 @@ def main():
         hf_config = json.load(f)
     distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp),
+                       expert_model_parallel_size=args.ep, sequence_parallel=args.sp,
+                       context_parallel_size=args.cp),
         seed=0, **layout_limits(hf_config))
     chunks, _ = build_model(hf_config, torch.float32, transformer_engine="off")
     for chunk in chunks:

@@ -1,7 +1,8 @@
 """Megatron actor log-probs vs HF transformers (the independent reference), fp32, on the tiny
 Qwen2 (tied, QKV bias), Llama (untied), Qwen3 and Qwen3-MoE checkpoints, at TP1xPP1, TP2xPP1,
 TP1xPP2, TP2xPP2 (and PP2 x 2 virtual stages), with expert and sequence parallelism, on a
-right-padded batch of different lengths (padded or packed micro-batches)."""
+right-padded batch of different lengths (padded or packed micro-batches), and with every
+sequence split over context-parallel ranks."""
 import pytest
 import torch
 
@@ -36,7 +37,16 @@ def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):
     ("qwen3_moe", 4, ["--tp", "2", "--ep", "2", "--sp"]),
     ("qwen3_moe", 4, ["--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
     ("qwen2", 2, ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
-], ids=["moe-ep1", "moe-ep2-packed", "moe-tp2-ep2-sp", "moe-pp2-ep2-packed", "qwen2-tp2-sp-packed"])
+    # context parallelism: every sequence (lengths 26, 55, 1, 66: odd, and one shorter than
+    # 2 x CP) split in 2 x CP chunks over the CP ranks; padded and packed; with TP (+ SP), PP
+    ("qwen2", 2, ["--cp", "2"]),
+    ("qwen2", 2, ["--cp", "2", "--pack-max-tokens", "64"]),
+    ("qwen2", 4, ["--cp", "2", "--tp", "2"]),
+    ("qwen2", 4, ["--cp", "2", "--tp", "2", "--sp", "--pack-max-tokens", "64"]),
+    ("qwen3", 4, ["--cp", "2", "--pp", "2", "--pack-max-tokens", "64"]),
+], ids=["moe-ep1", "moe-ep2-packed", "moe-tp2-ep2-sp", "moe-pp2-ep2-packed", "qwen2-tp2-sp-packed",
+        "qwen2-cp2", "qwen2-cp2-packed", "qwen2-cp2-tp2", "qwen2-cp2-tp2-sp-packed",
+        "qwen3-cp2-pp2-packed"])
 def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, args, request,
                                                                   tmp_path):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
@@ -46,6 +56,20 @@ def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, a
         # real tokens: its router logits' top-2 per token, counted per layer and expert
         assert torch.equal(result["expert_counts"], hf_expert_counts(
             hf_dir, result["input_ids"], result["lengths"]))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_context_parallel_attention_that_misses_other_ranks_keys_fails(packed, tiny_qwen2_dir,
+                                                                      tmp_path):
+    """A mutation: the CP attention masks out the keys other CP ranks hold (each rank attends
+    only within its own chunks). The parity check must see it."""
+    out = tmp_path / "logp.pt"
+    extra = ["--pack-max-tokens", "64"] if packed else []
+    run_torchrun(PROGRAM, 2, ["--hf-dir", tiny_qwen2_dir, "--out", str(out), "--cp", "2",
+                              "--mutate-cp-mask", *extra])
+    result = torch.load(out)
+    reference = hf_token_logprobs(tiny_qwen2_dir, result["input_ids"], result["lengths"])
+    assert max_abs_logprob_diff(result["logp"], reference, result["lengths"]) > 1e-2
 
 
 def hf_expert_counts(hf_dir, input_ids, lengths):

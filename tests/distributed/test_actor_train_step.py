@@ -98,19 +98,26 @@ def test_distributed_optimizer_gives_the_same_step(tiny_qwen2_dir, tmp_path):
                                        msg=f"{name} with the distributed optimizer x{nproc}")
 
 
-def test_sequence_parallel_and_chunked_logprobs_give_the_same_step(tiny_qwen2_dir, tmp_path):
-    """TP2 with sequence parallelism (padded, and packed x PP2) and the log-probs computed from
-    the hidden states a few tokens at a time (logits recomputed in the backward) against TP1
-    with the full logits: the same updated weights."""
+def test_sequence_and_context_parallel_and_chunked_logprobs_give_the_same_step(tiny_qwen2_dir,
+                                                                               tmp_path):
+    """TP2 with sequence parallelism (padded, and packed x PP2), context parallelism (CP2 x TP2
+    + SP packed, CP2 x DP2 padded) and the log-probs computed from the hidden states a few
+    tokens at a time (logits recomputed in the backward) against TP1 with the full logits: the
+    same updated weights."""
     full = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / "full.pt", "--logprob-chunk", "0")
-    for nproc, tp, pp, extra in ((2, 2, 1, ()), (4, 2, 2, ("--packing",))):
-        other = train(tiny_qwen2_dir, nproc, tp, pp, tmp_path / f"sp-{nproc}.pt", "--sp",
+    for nproc, tp, pp, extra in ((2, 2, 1, ()), (4, 2, 2, ("--packing",)),
+                                 # context parallelism: CP2 x TP2 + SP (packed), and CP2 x DP2
+                                 # with the distributed optimizer
+                                 (4, 2, 1, ("--cp", "2", "--packing")),
+                                 (4, 1, 1, ("--cp", "2", "--distributed-optimizer"))):
+        sp = ("--sp",) if tp > 1 else ()
+        other = train(tiny_qwen2_dir, nproc, tp, pp, tmp_path / f"sp-{nproc}-{tp}-{pp}.pt", *sp,
                       "--logprob-chunk", "5", *extra)
         assert other["metrics"]["grad_norm"] == pytest.approx(full["metrics"]["grad_norm"],
                                                               rel=1e-5)
         for name, tensor in full["weights"].items():
             torch.testing.assert_close(other["weights"][name], tensor, rtol=0, atol=1e-6,
-                                       msg=f"{name} at TP{tp} PP{pp} SP, chunks of 5 tokens")
+                                       msg=f"{name} at TP{tp} PP{pp} {extra}, chunks of 5")
 
 
 def test_recompute_and_virtual_pipeline_give_the_same_step(tiny_qwen2_dir, tmp_path):

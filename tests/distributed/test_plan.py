@@ -24,16 +24,17 @@ def rlep_plan(hf_config: str, gpus: int, *overrides: str, extra=()) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.mark.parametrize("arch, nproc, tp, pp, ep", [
-    ("qwen2", 2, 2, 1, 1),   # TP2, tied embeddings
-    ("qwen2", 2, 1, 2, 1),   # PP2: the last stage's own copy of the tied output weight
-    ("qwen3", 4, 1, 2, 1),   # PP2 x DP2: the optimizer state sharded over DP
-    ("qwen3_moe", 2, 1, 1, 2),  # EP2: experts split, their state over the expert DP
+@pytest.mark.parametrize("arch, nproc, tp, pp, ep, cp", [
+    ("qwen2", 2, 2, 1, 1, 1),   # TP2, tied embeddings
+    ("qwen2", 2, 1, 2, 1, 1),   # PP2: the last stage's own copy of the tied output weight
+    ("qwen3", 4, 1, 2, 1, 1),   # PP2 x DP2: the optimizer state sharded over DP
+    ("qwen3_moe", 2, 1, 1, 2, 1),  # EP2: experts split, their state over the expert DP
+    ("qwen3", 4, 1, 1, 1, 2),   # CP2 x DP2: the optimizer state sharded over DP x CP
 ])
-def test_plan_counts_what_the_actor_holds(arch, nproc, tp, pp, ep, request, tmp_path):
+def test_plan_counts_what_the_actor_holds(arch, nproc, tp, pp, ep, cp, request, tmp_path):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     config = os.path.join(hf_dir, "config.json")
-    layout = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    layout = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp)]
     sp = ["--sp"] if tp > 1 and ep > 1 else []
     run_torchrun(PROGRAM, nproc, ["--hf-config", config, "--state", *layout, *sp,
                                   "--out", str(tmp_path / "state.json")])
@@ -42,6 +43,7 @@ def test_plan_counts_what_the_actor_holds(arch, nproc, tp, pp, ep, request, tmp_
     planned = rlep_plan(config, nproc, f"parallel.tensor_model_parallel_size={tp}",
                         f"parallel.pipeline_model_parallel_size={pp}",
                         f"parallel.expert_model_parallel_size={ep}",
+                        f"parallel.context_parallel_size={cp}",
                         f"parallel.sequence_parallel={bool(sp)}",
                         "rollout.tensor_model_parallel_size=1")
     assert len(planned["stages"]) == pp

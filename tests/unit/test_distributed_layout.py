@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from rlep_megatron.config import ParallelConfig
 from rlep_megatron.distributed import validate_parallel_layout
@@ -52,7 +53,8 @@ def test_expert_parallelism_shares_ranks_with_data_parallelism():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("parallel.context_parallel_size=2", "context_parallel_size=2 is not supported"),
+    ("parallel.context_parallel_size=2 parallel.expert_model_parallel_size=2",
+     "with expert parallelism is not supported"),
     ("parallel.sequence_parallel=true", "sequence_parallel=true needs tensor_model_parallel"),
     ("model.params_dtype=float16", "loss scaling"),
 ])
@@ -60,4 +62,30 @@ def test_keys_that_would_be_silently_ignored_are_refused(override, needle):
     from rlep_megatron.config import load_config
 
     with pytest.raises(ValueError, match=needle):
-        load_config(None, [override])
+        load_config(None, override.split())
+
+
+def test_context_parallel_layout_of_the_worked_example():
+    """megatron's load-balanced layout: a sequence of 8 tokens in 2 x CP = 4 chunks of 2;
+    rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; a pack pads each sequence (3 and 5
+    tokens -> 4 and 8) and keeps the global offsets; a MoE model is refused at CP > 1."""
+    from rlep_megatron.models.context_parallel import chunk_positions, gathered_order, layout
+
+    assert chunk_positions([0, 8], 2, 0).tolist() == [0, 1, 6, 7]
+    assert chunk_positions([0, 8], 2, 1).tolist() == [2, 3, 4, 5]
+    order = gathered_order([0, 8], 2)  # [0, 1, 6, 7, 2, 3, 4, 5] back to 0..7
+    assert torch.cat([chunk_positions([0, 8], 2, r) for r in (0, 1)])[order].tolist() == \
+        list(range(8))
+    ids = torch.arange(1, 9).unsqueeze(0)
+    packed = {"cu_seqlens": torch.tensor([0, 3, 8], dtype=torch.int32)}
+    lay = layout(ids, torch.zeros_like(ids), packed, cp=2, rank=1)
+    assert lay.bounds == [0, 4, 12]
+    assert lay.input_ids[0].tolist() == [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]
+    assert lay.local.tolist() == [1, 2, 6, 7, 8, 9]  # chunk 1 and 2 of each sequence
+    assert lay.original.tolist() == [0, 1, 2, 4, 5, 6, 7, 8]
+    # with sequence parallelism at TP 4 each rank needs a multiple of 4: a filler sequence
+    assert layout(ids[:, :3], ids[:, :3], {"cu_seqlens": torch.tensor(
+        [0, 3], dtype=torch.int32)}, cp=2, rank=0, multiple=4).bounds == [0, 4, 8]
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        validate_parallel_layout(2, ParallelConfig(context_parallel_size=2), 4, 2, 4,
+                                 num_experts=8)
