@@ -37,6 +37,7 @@ def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):
     ("qwen3_moe", 4, ["--tp", "2", "--ep", "2", "--sp"]),
     ("qwen3_moe", 4, ["--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
     ("qwen2", 2, ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
+    ("qwen2", 2, ["--tp", "2", "--sp"]),
     # context parallelism: every sequence (lengths 26, 55, 1, 66: odd, and one shorter than
     # 2 x CP) split in 2 x CP chunks over the CP ranks; padded and packed; with TP (+ SP), PP
     ("qwen2", 2, ["--cp", "2"]),
@@ -45,7 +46,7 @@ def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):
     ("qwen2", 4, ["--cp", "2", "--tp", "2", "--sp", "--pack-max-tokens", "64"]),
     ("qwen3", 4, ["--cp", "2", "--pp", "2", "--pack-max-tokens", "64"]),
 ], ids=["moe-ep1", "moe-ep2-packed", "moe-tp2-ep2-sp", "moe-pp2-ep2-packed", "qwen2-tp2-sp-packed",
-        "qwen2-cp2", "qwen2-cp2-packed", "qwen2-cp2-tp2", "qwen2-cp2-tp2-sp-packed",
+        "qwen2-tp2-sp", "qwen2-cp2", "qwen2-cp2-packed", "qwen2-cp2-tp2", "qwen2-cp2-tp2-sp-packed",
         "qwen3-cp2-pp2-packed"])
 def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, args, request,
                                                                   tmp_path):
