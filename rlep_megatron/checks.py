@@ -58,6 +58,10 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
     if cfg.algo.routing_replay != "off" and not layout_limits(hf)["num_experts"]:
         problems.append(f"algo.routing_replay={cfg.algo.routing_replay} needs a "
                         "mixture-of-experts model; this one is dense: use off")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(cfg.algo, key) > 0 and not layout_limits(hf)["num_experts"]:
+            problems.append(f"algo.{key} needs a mixture-of-experts model; this one is dense: "
+                            "use 0")
     rollout_tp = cfg.rollout.tensor_model_parallel_size
     if heads and heads % rollout_tp:
         problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "

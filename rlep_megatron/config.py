@@ -281,6 +281,15 @@ class AlgoConfig:
     ``rollout`` (route through the inference engine's choice) is not available yet: it needs
     vLLM's returned routed experts, which its CPU backend cannot give. ``off``: the routers
     choose in every pass."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the load-balancing auxiliary loss (the Switch
+    Transformer's ``E x sum_e f_e P_e`` per MoE layer and micro-batch over its real tokens:
+    ``f_e`` the fraction of routed copies sent to expert e, ``P_e`` its mean router
+    probability), added to the policy loss as its mean over micro-batches; 0 (off, as RL peers
+    run) by default. Reported as ``moe/aux_loss`` (unweighted, mean over MoE layers)."""
+    moe_z_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of the router z-loss (mean over real tokens of
+    ``logsumexp(router logits)^2``); 0 (off) by default. Reported as ``moe/z_loss``."""
     entropy_coef: float = 0.0
     """Entropy bonus; 0 disables it (recipes use 0)."""
     dynamic_sampling: bool = False
@@ -306,6 +315,9 @@ class AlgoConfig:
             raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ValueError(f"algo.kl_clamp must be > 0 or null, got {self.kl_clamp}")
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"algo.{key} must be >= 0 (0: off), got {getattr(self, key)}")
         if self.routing_replay == "rollout":
             raise ValueError("algo.routing_replay=rollout is not available yet: it needs the "
                              "engine's routed experts (vLLM's enable_return_routed_experts, "

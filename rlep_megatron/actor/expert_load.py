@@ -88,3 +88,51 @@ class ExpertLoad:
         worst = int(ratio.argmax())
         return {"moe/load_imbalance": float(ratio[worst]),
                 "moe/load_imbalance_layer": float(layers[worst])}
+
+
+ROUTER_LOSSES = (("load_balancing_loss", "moe_aux_loss_coeff", "moe/aux_loss"),
+                 ("z_loss", "moe_z_loss_coeff", "moe/z_loss"))
+"""megatron's name of each router loss in its tracker, the config's coefficient, our metric."""
+
+
+def router_loss_metrics(config, num_micro_batches: int) -> dict[str, float]:
+    """The router losses of the train step that just ran (``algo.moe_aux_loss_coeff`` /
+    ``moe_z_loss_coeff`` > 0), unweighted: per MoE layer the mean over micro-batches and
+    data-parallel ranks, then the mean over MoE layers (with sequence parallelism the z-loss
+    is the mean of the TP shards' own means); the tracker is cleared for the next step. Read from megatron-core's router tracker, which each router adds its micro-batch
+    value to (pipeline stages hold disjoint layers, sequence-parallel shards partial sums of
+    one micro-batch). Collective over every rank; {} when both losses are off."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+
+    active = [(name, metric) for name, coeff, metric in ROUTER_LOSSES
+              if (getattr(config, coeff, None) or 0) > 0]
+    if not active:
+        return {}
+    tracker = get_moe_layer_wise_logging_tracker()
+    values = torch.stack([tracker[name]["values"].to(torch.float64) if name in tracker
+                          else torch.zeros(config.num_layers, dtype=torch.float64,
+                                           device=distributed.communication_device())
+                          for name, _ in active])
+    distributed.all_reduce(values, "sum")
+    # megatron sums the load-balancing loss's shards over TP x CP to the micro-batch's value;
+    # each shard's z-loss is the mean over its own tokens: averaged over the shards
+    for row, (name, _) in enumerate(active):
+        if name == "z_loss":
+            values[row] /= (ps.get_tensor_model_parallel_world_size()
+                            * ps.get_context_parallel_world_size())
+    count = torch.tensor([float(num_micro_batches)])
+    distributed.all_reduce(count, "sum", ps.get_data_parallel_group())
+    clear_aux_losses_tracker()
+    moe_layers = [i for i, freq in enumerate(_moe_layer_pattern(config)) if freq]
+    per_layer = values.cpu()[:, moe_layers] / max(float(count), 1.0)
+    return {metric: float(per_layer[i].mean()) for i, (_, metric) in enumerate(active)}
+
+
+def _moe_layer_pattern(config) -> list[int]:
+    """1 for each MoE layer of the model, 0 for a dense one (``config.moe_layer_freq``)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)

@@ -125,7 +125,8 @@ def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
 
 
 def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              packed: Optional[dict] = None, hidden_states: bool = False):
+              packed: Optional[dict] = None, hidden_states: bool = False,
+              padding_mask: Optional[torch.Tensor] = None):
     """``model(input_ids, position_ids)`` (THD-packed when ``packed`` holds the micro-batch's
     ``cu_seqlens`` / ``max_seqlen``). With sequence parallelism the token count must be a
     multiple of the TP size: the micro-batch is extended on the right (padded rows: pad
@@ -133,11 +134,17 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
     token's output under causal attention. The last stage's logits then have extra trailing
     columns: callers read the first ``input_ids.shape[1]`` only. ``hidden_states``: the last
     stage returns the last hidden states instead of the logits
-    (:func:`rlep_megatron.actor.logprob.hidden_states_out`)."""
+    (:func:`rlep_megatron.actor.logprob.hidden_states_out`). ``padding_mask`` (``[b, s]``,
+    True on tokens that are not real) reaches the routers' auxiliary losses of a
+    mixture-of-experts model when they are on, and is ignored otherwise."""
     config = model.config
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     length = input_ids.shape[1]
     extra = -length % multiple
+    router_losses = (getattr(config, "moe_aux_loss_coeff", 0) or 0) > 0 or (
+        getattr(config, "moe_z_loss_coeff", 0) or 0) > 0
+    if not router_losses:
+        padding_mask = None
     if config.context_parallel_size > 1:  # this rank's chunks of every sequence
         input_ids, position_ids, packed = context_parallel_inputs(
             input_ids, position_ids, packed, config)
@@ -152,7 +159,11 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
             packed = {"cu_seqlens": torch.cat([bounds, bounds[-1:] + extra]),
                       "max_seqlen": torch.clamp(packed["max_seqlen"], min=extra)}
         position_ids = torch.cat([position_ids, tail.expand(position_ids.shape[0], -1)], dim=1)
+        if padding_mask is not None:
+            padding_mask = torch.nn.functional.pad(padding_mask, (0, extra), value=True)
     extra_kwargs = {"packed_seq_params": packed_seq_params(packed)} if packed else {}
+    if padding_mask is not None:
+        extra_kwargs["padding_mask"] = padding_mask.to(input_ids.device)
     if not hidden_states:
         return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)
     from rlep_megatron.actor.logprob import hidden_states_out

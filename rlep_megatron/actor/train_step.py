@@ -19,6 +19,7 @@ import torch
 from rlep_megatron import distributed
 from rlep_megatron.actor import packing
 from rlep_megatron.actor import routing
+from rlep_megatron.actor.expert_load import router_loss_metrics
 from rlep_megatron.actor.forward import _no_ones, fit_to_schedule, match_expert_parallel_count
 from rlep_megatron.actor.logprob import next_token_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
@@ -177,6 +178,10 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         schedule_shape = {"seq_length": max(int(mb["input_ids"].shape[1])
                                             for mb in micro_batches),
                           "micro_batch_size": max(len(g) for g in groups)}
+    # the routers' auxiliary losses (when on) see real tokens only; a filler below keeps the
+    # mask of the micro-batch it copies (an all-padding one would give them 0 / 0)
+    for mb in micro_batches:
+        mb["padding_mask"] = mb["route_rows"] < 0
     # the same number of micro-batches on every EP rank; a filler trains no token
     micro_batches = match_expert_parallel_count(
         micro_batches, chunks, {**_no_ones(micro_batches[0]),
@@ -193,7 +198,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         routing.note_micro_batch(mb, model.config)
         output = packing.run_model(model, mb["input_ids"], mb["position_ids"],
                                    mb if packed else None,
-                                   hidden_states=bool(info.logprob_chunk_tokens))
+                                   hidden_states=bool(info.logprob_chunk_tokens),
+                                   padding_mask=mb["padding_mask"])
 
         def loss_func(output):
             # the entropy is always reported; it needs autograd only as a loss term
@@ -233,12 +239,14 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
             forward_only=False, **{**schedule_shape, "seq_length": packing.schedule_seq_length(
                 schedule_shape["seq_length"], chunks[0])})
     applied, grad_norm = optimizer.step()
+    router_losses = router_loss_metrics(chunks[0].config, len(micro_batches))
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True),
                               with_kl=batch.ref_logp is not None)
     metrics.update({"grad_norm": grad_norm, "step_applied": float(applied),
                     "lr": optimizer.current_lr(), "num_micro_batches": float(len(groups)),
                     "padding_frac": 1.0 - counts["real_tokens"] / max(counts["token_slots"],
                                                                        1.0)})
+    metrics.update(router_losses)
     return metrics
 
 

@@ -50,7 +50,8 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
                        virtual_pipeline_model_parallel_size: Optional[int] = None,
                        recompute_activations: bool = False, use_te: bool = False,
                        on_meta_device: bool = False, expert_model_parallel_size: int = 1,
-                       sequence_parallel: bool = False, context_parallel_size: int = 1):
+                       sequence_parallel: bool = False, context_parallel_size: int = 1,
+                       moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -104,21 +105,24 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
             # TransformerEngine's grouped GEMM runs all local experts at once; the local spec
             # loops over them (SequentialMLP)
             moe_grouped_gemm=use_te,
-            # the aux loss and z-loss are off for RL (options of the training config)
-            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-            moe_z_loss_coeff=None)
+            # the aux loss and z-loss: off for RL unless the training config asks
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff or None)
     kwargs.update(platform.megatron_config_overrides())
     return TransformerConfig(**kwargs)
 
 
 def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
                 recompute_activations: bool = False, on_meta_device: bool = False,
-                transformer_engine: str = "auto"
+                transformer_engine: str = "auto", moe_aux_loss_coeff: float = 0.0,
+                moe_z_loss_coeff: float = 0.0
                 ) -> tuple[list[torch.nn.Module], ActorModelInfo]:
     """GPTModel chunks of this rank (one per virtual pipeline stage), weights uninitialised.
 
     ``transformer_engine``: ``auto`` | ``required`` | ``off``
-    (:func:`platform.use_transformer_engine`). ``on_meta_device`` builds them without storage:
+    (:func:`platform.use_transformer_engine`). ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``:
+    the routers' load-balancing and z-losses (mixture-of-experts models; 0: off).
+    ``on_meta_device`` builds them without storage:
     shapes, names and sharding metadata only (the streaming conversion tools work from such a
     skeleton); it takes the local spec, whose checkpoint keys are TransformerEngine's (megatron
     maps the norms' names), and allocates nothing on a GPU."""
@@ -137,7 +141,8 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
                                 use_te, on_meta_device,
                                 ps.get_expert_model_parallel_world_size(),
                                 distributed.sequence_parallel(),
-                                ps.get_context_parallel_world_size())
+                                ps.get_context_parallel_world_size(), moe_aux_loss_coeff,
+                                moe_z_loss_coeff)
     if config.num_moe_experts:
         platform.megatron_moe_without_te()
     if use_te and not config.num_moe_experts:

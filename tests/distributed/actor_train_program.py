@@ -56,6 +56,8 @@ def main():
     parser.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--cp", type=int, default=1, help="context parallelism")
+    parser.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    parser.add_argument("--moe-z-loss-coeff", type=float, default=0.0)
     parser.add_argument("--routing-replay", action="store_true",
                         help="record the old-log-prob pass's experts and replay them in the step")
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
@@ -81,7 +83,9 @@ def main():
                        context_parallel_size=args.cp),
         seed=0)
     chunks, info = build_from_hf(args.hf_dir, args.dtype, recompute_activations=args.recompute,
-                                 transformer_engine=args.transformer_engine)
+                                 transformer_engine=args.transformer_engine,
+                                 moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                                 moe_z_loss_coeff=args.moe_z_loss_coeff)
     if args.logprob_chunk is not None:
         info = dataclasses.replace(info, logprob_chunk_tokens=args.logprob_chunk)
     # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise

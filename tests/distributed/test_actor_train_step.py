@@ -211,3 +211,55 @@ def per_expert_names(state: dict) -> dict:
         else:
             out[name] = tensor
     return out
+
+
+def router_losses_in_float64(hf_dir, input_ids, lengths):
+    """The load-balancing loss and z-loss by their definitions, in float64, from transformers'
+    router logits over the real tokens of one micro-batch (mean over the sparse layers):
+    ``E x sum_e f_e P_e`` with ``f_e`` the fraction of the top-k copies sent to expert e and
+    ``P_e`` its mean softmax probability; ``mean(logsumexp(logits)^2)``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    with torch.no_grad():
+        out = model(input_ids, output_router_logits=True)
+    real = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).reshape(-1)
+    aux, z = [], []
+    for logits in out.router_logits:  # the sparse layers only
+        x = logits.reshape(-1, experts)[real].double()
+        chosen = x.topk(top_k).indices.reshape(-1)
+        fraction = torch.bincount(chosen, minlength=experts).double() / chosen.numel()
+        aux.append(experts * (fraction * torch.softmax(x, -1).mean(0)).sum())
+        z.append((torch.logsumexp(x, -1) ** 2).mean())
+    return float(torch.stack(aux).mean()), float(torch.stack(z).mean())
+
+
+def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, tmp_path):
+    """algo.moe_aux_loss_coeff / moe_z_loss_coeff: the reported (unweighted) losses of a step
+    whose mini-batch is one micro-batch equal the float64 re-derivation over its real tokens,
+    padded or packed, and with the tokens split over TP2 + SP (partial sums); and the losses
+    reach the gradient: the routers' weights move differently than without them."""
+    hf_dir = tiny_qwen3_moe_dir
+    coeffs = ("--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+              "--micro-batch-max-tokens", "1000")
+    runs = {name: train(hf_dir, nproc, tp, 1, tmp_path / f"{name}.pt", *coeffs, *extra)
+            for name, nproc, tp, extra in (("padded", 1, 1, ()), ("packed", 1, 1, ("--packing",)),
+                                           ("tp2-sp", 2, 2, ("--sp", "--packing")))}
+    input_ids, _, _, _, _ = global_batch()
+    aux, z = router_losses_in_float64(hf_dir, input_ids, runs["padded"]["lengths"])
+    assert 1.0 < aux < 8.0 / 2  # 1: perfectly balanced, E / k: every token on the same experts
+    for name, run in runs.items():
+        assert run["metrics"]["num_micro_batches"] == 1.0
+        assert run["metrics"]["moe/aux_loss"] == pytest.approx(aux, rel=1e-5), name
+        # each sequence-parallel shard's z-loss is the mean over its own tokens, and the
+        # shards hold different numbers of real tokens: their average is near the whole mean
+        assert run["metrics"]["moe/z_loss"] == pytest.approx(
+            z, rel=0.1 if name == "tp2-sp" else 1e-5), name
+    plain = train(hf_dir, 1, 1, 1, tmp_path / "plain.pt", "--micro-batch-max-tokens", "1000")
+    assert "moe/aux_loss" not in plain["metrics"]
+    routers = [k for k in plain["weights"] if k.endswith("mlp.gate.weight")]
+    assert len(routers) == 3
+    assert max((runs["padded"]["weights"][k] - plain["weights"][k]).abs().max()
+               for k in routers) > 1e-5

@@ -161,11 +161,13 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
                                                               tmp_path):
     """The tiny Qwen3-MoE (8 experts, top-2) on 2 ranks with its experts split over EP=2
     (dense parts DP=2, distributed optimizer: the chained dense / expert optimizers), two
-    rollout replicas, routing replay (algo.routing_replay=actor): contract metrics finite, the
+    rollout replicas, routing replay (algo.routing_replay=actor), the load-balancing loss on
+    (EP ranks with fewer micro-batches run fillers): contract metrics finite, the
     engine agrees with the actor on every fresh token, and 2 steps + resume to 3 equal 3
     straight steps in every metric."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
-              "parallel.expert_model_parallel_size=2", "algo.routing_replay=actor"]
+              "parallel.expert_model_parallel_size=2", "algo.routing_replay=actor",
+              "algo.moe_aux_loss_coeff=0.001"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen3_moe_dir, task, str(straight), steps=3), *common],
@@ -187,6 +189,8 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
         # max / mean tokens per expert of the worst layer: 1 (even) to 8 experts / top-2
         assert 1.0 <= entry["moe/load_imbalance"] <= 4.0
         assert entry["moe/load_imbalance_layer"] in (1.0, 2.0, 3.0)  # layer 0 is dense
+        # the load-balancing loss (on, weight 1e-3): between 1 (even) and E / k = 4
+        assert 1.0 <= entry["moe/aux_loss"] <= 4.0
     assert a[3]["train/grad_norm"] > 0
     for x, y in zip(a, b):
         keys = {k for k in x if not k.startswith("timing/")}
