@@ -54,14 +54,20 @@ def test_train_step_parity_across_layouts_and_against_transformers(arch, request
     # weight decay 1.0 (it moves a 0.02-scale matrix element by lr x 1.0 x 0.02 = 2e-5, ten
     # times the tolerance). The two implementations' gradients differ by float noise of about
     # 1e-10 (summation order); Adam's step amplifies it by lr / eps: 1e-7 here (measured
-    # <= 6.3e-7), 1e-5 at eps = 1e-8 (measured on a few elements near zero gradient).
+    # <= 6.3e-7 on Qwen2; on Qwen3 1.6e-6 with the full logits and, with the log-probs from
+    # chunked logits and their analytic gradient, one element of the whole model at 2.07e-6),
+    # 1e-5 at eps = 1e-8 (measured on a few elements near zero gradient). Every tensor: max
+    # <= 1e-5 and at most 1 in 1000 elements above 2e-6 (the weight decay alone moves an
+    # element by 2e-5).
     realistic = train(hf_dir, 1, 1, 1, tmp_path / "realistic.pt", "--adam-eps", "1e-6",
                       "--weight-decay", "1.0")
     reference, reference_loss = reference_step(hf_dir, realistic["old_logp"], eps=1e-6,
                                                weight_decay=1.0)
     assert realistic["metrics"]["pg_loss"] == pytest.approx(reference_loss, abs=1e-5)
     for name, tensor in realistic["weights"].items():
-        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-6, msg=name)
+        diff = (tensor - reference[name]).abs()
+        assert diff.max() <= 1e-5 and (diff > 2e-6).float().mean() <= 1e-3, \
+            f"{name}: max {diff.max():.2e}, {(diff > 2e-6).sum()} elements above 2e-6"
     moved = min((realistic["weights"][k] - initial[k]).abs().float().mean().item()
                 for k in initial if initial[k].dim() == 2 and ".layers." in k)
     # Adam's normalised step: about lr for most elements of every layer's matrices (the
