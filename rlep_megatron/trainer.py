@@ -655,7 +655,8 @@ class Trainer:
                       for k, v in self.replay_sampler.replay_counts_summary().items()})
         m.update(old)
         for key, value in train.items():
-            m[f"train/{key}"] = value
+            # the router losses are MoE metrics (moe/aux_loss, moe/z_loss), not under train/
+            m[key if key.startswith("moe/") else f"train/{key}"] = value
         if self.replay_sampler is None:
             # no replays configured (M = 0): no means over an empty set; the contract's
             # replay/fraction, replay/num_sequences and replay/reward_mean stay (0 by convention)
