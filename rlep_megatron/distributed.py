@@ -145,18 +145,28 @@ def init_model_parallel(parallel: ParallelConfig, seed: int,
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    initialize_megatron_groups(parallel)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return current_context(plat.device)
+
+
+def initialize_megatron_groups(parallel: ParallelConfig, gloo_groups: bool = True) -> None:
+    """megatron-core's model-parallel groups of the layout (on an initialised process group),
+    and the sequence-parallel flag that models built afterwards follow. ``gloo_groups=False``
+    skips megatron's extra gloo groups (a simulated process group has no gloo)."""
+    from megatron.core import parallel_state
+
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        create_gloo_process_groups=gloo_groups,
     )
     global _SEQUENCE_PARALLEL
     _SEQUENCE_PARALLEL = parallel.sequence_parallel
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-    return current_context(plat.device)
 
 
 def current_context(device: Optional[torch.device] = None) -> ParallelContext:

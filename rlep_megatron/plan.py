@@ -64,16 +64,9 @@ def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams
                                              world_size=gpus)
         saved_sp = distributed._SEQUENCE_PARALLEL
         try:
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=par.tensor_model_parallel_size,
-                pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-                context_parallel_size=par.context_parallel_size,
-                expert_model_parallel_size=par.expert_model_parallel_size,
-                create_gloo_process_groups=False)
+            distributed.initialize_megatron_groups(par, gloo_groups=False)
             if ps.get_pipeline_model_parallel_rank() != stage:
                 raise AssertionError(f"rank {rank} is not on pipeline stage {stage}")
-            distributed._SEQUENCE_PARALLEL = par.sequence_parallel
             chunks, _ = build_model(hf_config, torch.bfloat16, on_meta_device=True)
             counted = StageParams()
             for chunk in chunks:

@@ -168,19 +168,7 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "parallel.expert_model_parallel_size=2", "algo.routing_replay=actor",
               "algo.moe_aux_loss_coeff=0.001"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-              *train_overrides(tiny_qwen3_moe_dir, task, str(straight), steps=3), *common],
-             nproc=2)
-    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-              *train_overrides(tiny_qwen3_moe_dir, task, str(resumed), steps=2), *common],
-             nproc=2)
-    proc = run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-                     *train_overrides(tiny_qwen3_moe_dir, task, str(resumed), steps=3),
-                     *common], nproc=2)
-    assert "resumed from" in proc.stdout + proc.stderr
-    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
-    assert [e["step"] for e in a] == [e["step"] for e in b] == [0, 1, 2, 3]
+    a = straight_equals_resumed(tiny_qwen3_moe_dir, task, common, tmp_path)
     for entry in a[1:]:
         for key in CONTRACT_KEYS:
             assert math.isfinite(entry[key]), (key, entry[key])
@@ -192,10 +180,6 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
         # the load-balancing loss (on, weight 1e-3): between 1 (even) and E / k = 4
         assert 1.0 <= entry["moe/aux_loss"] <= 4.0
     assert a[3]["train/grad_norm"] > 0
-    for x, y in zip(a, b):
-        keys = {k for k in x if not k.startswith("timing/")}
-        assert keys == {k for k in y if not k.startswith("timing/")}
-        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
 
 
 @pytest.mark.parametrize("layout", [
@@ -209,20 +193,27 @@ def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_d
     agrees with the actor on every fresh token, and 2 steps + resume to 3 equal 3 straight
     steps in every metric."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}", *layout]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for out, steps in ((straight, 3), (resumed, 2), (resumed, 3)):
-        proc = run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-                         *train_overrides(tiny_qwen2_dir, task, str(out), steps=steps),
-                         *common], nproc=2)
-    assert "resumed from" in proc.stdout + proc.stderr
-    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
-    assert [e["step"] for e in a] == [e["step"] for e in b] == [0, 1, 2, 3]
+    a = straight_equals_resumed(tiny_qwen2_dir, task, common, tmp_path)
     for entry in a[1:]:
         for key in CONTRACT_KEYS:
             assert math.isfinite(entry[key]), (key, entry[key])
         assert entry["rollout/logprob_abs_diff"] <= 1e-4
     assert a[3]["train/grad_norm"] > 0
+
+
+def straight_equals_resumed(hf_dir, task, common, tmp_path):
+    """3 straight steps on 2 ranks, and 2 steps resumed to 3: every metric but the timings
+    equal. Returns the straight run's metrics."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for out, steps in ((straight, 3), (resumed, 2), (resumed, 3)):
+        proc = run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+                         *train_overrides(hf_dir, task, str(out), steps=steps), *common],
+                        nproc=2)
+    assert "resumed from" in proc.stdout + proc.stderr
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [e["step"] for e in a] == [e["step"] for e in b] == [0, 1, 2, 3]
     for x, y in zip(a, b):
         keys = {k for k in x if not k.startswith("timing/")}
         assert keys == {k for k in y if not k.startswith("timing/")}
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
+    return a
