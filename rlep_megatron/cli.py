@@ -15,7 +15,7 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
 * ``rlep eval --config F [overrides...]``: mean/maj/best/pass@k of ``eval.checkpoint``.
 * ``rlep init RECIPE --model DIR --train F [--val F] [--gpus N] [--nodes K] [--pool P]``: a recipe
   for your own model and data from the shipped templates (:mod:`rlep_megatron.recipe_init`).
-* ``rlep demo [--out-dir D] [--long] [--seeds N] [--warm-start-seed S] [--prepare-only]``: the
+* ``rlep demo [--out-dir D] [--long] [--seeds N] [--arms A,B] [--warm-start-seed S] [--prepare-only]``: the
   whole RLEP pipeline on the tiny default, baseline vs RLEP over several seeds.
 """
 from __future__ import annotations
@@ -121,7 +121,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(args.out_dir, long=args.long, nproc=args.nproc, seeds=args.seeds,
              overrides=args.overrides, warm_start_seed=args.warm_start_seed,
-             prepare_only=args.prepare_only)
+             prepare_only=args.prepare_only,
+             arms=[a for a in args.arms.split(",") if a] if args.arms else None)
     return 0
 
 
@@ -198,10 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--long", action="store_true",
                         help="a longer budget (more steps and seeds) than the quick default")
     p_demo.add_argument("--seeds", type=int, default=None,
-                        help="training seeds per arm (default: 2 quick, 4 with --long)")
+                        help="training seeds per arm (default: 4 quick, 8 with --long)")
     p_demo.add_argument("--warm-start-seed", type=int, default=0,
                         help="seed of the tiny model's initial weights and warm start (the "
                              "task stays the same); another seed needs another --out-dir")
+    p_demo.add_argument("--arms", default="",
+                        help="comma-separated arms (default baseline,rlep): baseline, rlep "
+                             "(the paper's protocol: (G + M) / G times the baseline's "
+                             "optimizer steps), rlep_equal (replays, as many optimizer steps "
+                             "as the baseline), online (online experience replay)")
     p_demo.add_argument("--prepare-only", action="store_true",
                         help="build the task and the warm-started model, then stop (for "
                              "running the phases by hand, README.md)")

@@ -4,8 +4,10 @@ never released.
 Load a checkpoint (HF directory or training checkpoint), deduplicate the training questions,
 sample ``collect.num_samples_per_prompt`` answers per question (T, top-p from the config; the
 response budget of the training recipe, ``rollout.max_response_tokens``), score them, keep the
-verified-correct ones (distinct texts, in sampling order) and keep questions with at least
-``collect.min_correct`` correct samples (duplicate texts count: the spec counts correct answers).
+verified-correct ones (every correct sample in sampling order, as the paper keeps them, so a
+common answer is replayed as often as the model wrote it; ``collect.distinct_texts`` keeps one
+copy of each text instead) and keep questions with at least ``collect.min_correct`` correct
+samples (duplicate texts count: the spec counts correct answers).
 Output: the training parquet with ``reward_model.candidates`` (only the kept questions) and
 ``<output>.stats.json``.
 
@@ -27,7 +29,18 @@ from rlep_megatron.staging import write_file_atomic
 
 logger = logging.getLogger(__name__)
 
-SHARD_FORMAT = 2
+SHARD_FORMAT = 3
+
+
+def correct_answers(texts: list[str], correct: list[bool], distinct: bool) -> tuple[list[str], int]:
+    """One question's pool answers and its number of correct samples: the correct texts in
+    sampling order (duplicates kept unless ``distinct``) and how many samples were correct
+    (duplicates always count)."""
+    kept = [text for text, ok in zip(texts, correct) if ok]
+    count = len(kept)
+    if distinct:
+        kept = list(dict.fromkeys(kept))
+    return kept, count
 
 
 def _shard_ranges(num_questions: int, num_shards: int) -> list[range]:
@@ -40,10 +53,10 @@ def _job_signature(cfg, checkpoint: str, rows) -> str:
     """Identity of a collection job: a restart may only reuse shards of the same job."""
     digest = hashlib.sha256()
     c = cfg.collect
-    # SHARD_FORMAT: shards written before per-question correct counts are another job
+    # SHARD_FORMAT: shards of an older format (distinct texts only) are another job
     digest.update(json.dumps([os.path.abspath(checkpoint), c.num_samples_per_prompt,
                               c.temperature, c.top_p, cfg.rollout.max_response_tokens,
-                              c.num_shards, cfg.trainer.seed, len(rows),
+                              c.num_shards, cfg.trainer.seed, len(rows), c.distinct_texts,
                               SHARD_FORMAT]).encode())
     for row in range(len(rows)):
         digest.update(rows.prompt_key(row).encode())
@@ -108,16 +121,13 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
             requests = [ScoreRequest(rows.data_source[r], resp.text, rows.ground_truth[r])
                         for r, responses in zip(indices, groups) for resp in responses]
             results = iter(map_across_ranks(scorer.score, requests))
-            # per question: its distinct correct texts (sampling order) and how many of its
-            # samples were correct; min_correct counts the latter (docs/ALGORITHM.md section 1)
+            # per question: its correct texts (sampling order) and how many of its samples
+            # were correct; min_correct counts the latter (docs/ALGORITHM.md section 1)
             correct, counts = [], []
             for responses in groups:
-                texts, count = [], 0
-                for resp in responses:
-                    if next(results)["acc"]:
-                        count += 1
-                        if resp.text not in texts:
-                            texts.append(resp.text)
+                texts, count = correct_answers([resp.text for resp in responses],
+                                               [bool(next(results)["acc"]) for _ in responses],
+                                               c.distinct_texts)
                 correct.append(texts)
                 counts.append(count)
             if rank0:

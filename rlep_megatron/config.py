@@ -184,11 +184,40 @@ class ReplayConfig:
     an older policy, so their importance ratio can be capped separately (a smaller value
     limits how far one step moves towards a replayed answer). Not part of the RLEP paper:
     null (default, the paper's recipe) treats replays like fresh responses."""
+    pooled_questions_only: bool = True
+    """With M > 0 and ``mode=offline``, train only on the questions that have pool answers,
+    as the authors' released RLEP training file does (it keeps the questions with a pool);
+    false trains on every training question, replaying where a pool exists. (The online
+    modes train on every question: their pool grows during the run.)"""
+    mode: Literal["offline", "online", "both"] = "offline"
+    """Where replayed answers come from. ``offline`` (the paper): the pool files (or the
+    training files' candidates). ``online``: a pool that starts empty and grows from the run's
+    own verified answers: after each step, the fresh responses the reward verified correct
+    (and that ended by themselves) join their question's pool. ``both``: the offline pool
+    plus the online answers. The online part is saved in checkpoints."""
+    online_answers_per_question: int = 4
+    """K: the online answers kept per question, the most recent ones."""
+    online_low_pass_weight: bool = False
+    """Online modes: a group gets its replays with probability 1 - (its question's pass rate
+    at its previous rollout), so replay goes to the questions the policy still fails (a
+    question not rolled out before always gets them)."""
 
     def __post_init__(self):
         if self.num_replays_per_prompt < 0:
             raise ValueError("replay.num_replays_per_prompt must be >= 0, got "
                              f"{self.num_replays_per_prompt}")
+        if self.online_answers_per_question < 1:
+            raise ValueError("replay.online_answers_per_question must be >= 1, got "
+                             f"{self.online_answers_per_question}")
+        if self.mode != "offline" and self.num_replays_per_prompt == 0:
+            raise ValueError(f"replay.mode={self.mode} replays nothing with "
+                             "replay.num_replays_per_prompt=0; set M > 0")
+        if self.mode == "online" and self.pool_files:
+            raise ValueError("replay.mode=online starts from an empty pool, but "
+                             "replay.pool_files is set: use replay.mode=both to start from it")
+        if self.online_low_pass_weight and self.mode == "offline":
+            raise ValueError("replay.online_low_pass_weight weights online replay; it needs "
+                             "replay.mode=online or both")
         if self.clip_ratio_high is not None and self.clip_ratio_high < 0:
             raise ValueError(f"replay.clip_ratio_high must be >= 0 or null, got "
                              f"{self.clip_ratio_high}")
@@ -507,6 +536,9 @@ class CollectConfig:
     """Nucleus threshold of collection."""
     min_correct: int = 2
     """Questions with fewer verified-correct samples (duplicates count) are dropped."""
+    distinct_texts: bool = False
+    """Keep one copy of each correct text per question. Off (the paper): every correct sample
+    is a pool answer, so replay draws an answer as often as the model wrote it."""
     output_file: str = ""
     """Pool parquet (RLEP schema); default <output_dir>/pool.parquet."""
     num_shards: int = 8

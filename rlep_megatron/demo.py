@@ -42,15 +42,16 @@ logger = logging.getLogger(__name__)
 # on the CPU the settings were chosen on; on other CPUs and other --warm-start-seed values the
 # warm start lands anywhere from 6% to 47% greedy and the baseline's gain from 3 to 27 points:
 # the table in README.md, "The tiny default".)
-TASK = {"kind": "arith", "num_train": 800, "num_val": 64, "max_operand": 20,
+TASK = {"kind": "arith", "num_train": 3000, "num_rl_train": 128, "num_val": 64, "max_operand": 49,
         "num_slips_easy": 1, "num_slips_hard": 2}
 # 2500 supervised steps (about 3.3 minutes): fewer leave the model unable to compute many
 # answers, which leaves RL less to sharpen (from the 1500-step model GRPO reached 35% at best,
 # from the 2500-step one 63%; with (1, 3) slips 1000 steps gave 13% at T=1).
 WARM_START = {"steps": 2500, "lr": 3e-3, "batch_size": 32}
-QUICK = {"seeds": 2, "steps": 40}
-LONG = {"seeds": 4, "steps": 80}
-VALIDATION_EVERY = 4
+QUICK = {"seeds": 4, "steps": 30}
+LONG = {"seeds": 8, "steps": 60}
+VALIDATION_EVERY = 2
+DEFAULT_ARMS = ("baseline", "rlep")
 
 
 def examples_dir() -> str:
@@ -88,7 +89,8 @@ def read_curves(metrics_path: str) -> dict[str, dict[int, float]]:
     first validation)."""
     from rlep_megatron.metrics import read_metrics
 
-    curves: dict[str, dict[int, float]] = {"val": {}, "train": {}, "step_s": {}, "all_s": {}}
+    curves: dict[str, dict[int, float]] = {"val": {}, "train": {}, "step_s": {}, "all_s": {},
+                                           "opt_steps": {}}
     for entry in read_metrics(metrics_path):
         step = int(entry["step"])
         values = [v for key, v in entry.items() if key.startswith("val/") and "/mean@" in key]
@@ -98,6 +100,8 @@ def read_curves(metrics_path: str) -> dict[str, dict[int, float]]:
             curves["train"][step] = entry["rollout/acc_mean"]
         if "timing/step_s" in entry:
             curves["step_s"][step] = entry["timing/step_s"]
+        if "train/num_optimizer_steps" in entry:
+            curves["opt_steps"][step] = entry["train/num_optimizer_steps"]
         curves["all_s"][step] = sum(entry.get(f"timing/{name}_s", 0.0)
                                     for name in ("step", "validate", "checkpoint"))
     return curves
@@ -134,6 +138,9 @@ def summarise_arm(runs: list[dict[str, dict[int, float]]], target: Optional[floa
         "steps_to_target": next((s for s in sorted(mean_curve) if mean_curve[s] >= target),
                                 None),
         "step_s": _spread([statistics.fmean(r["step_s"].values()) for r in runs]),
+        # optimizer steps per training step (RLEP's G + M sequences per group take more)
+        "opt_steps": (_spread([statistics.fmean(r["opt_steps"].values()) for r in runs])
+                      if all(r.get("opt_steps") for r in runs) else {"mean": float("nan")}),
         # everything the run's steps took (validations, checkpoints, step 0's validation) per
         # training step; engine start-up and model building are not in metrics.jsonl
         "all_s": _spread([sum(r["all_s"].values()) / len(r["step_s"]) for r in runs]),
@@ -225,25 +232,22 @@ def paired_comparison(base_runs: list[dict], rlep_runs: list[dict],
     return {"per_seed": per_seed, "differences": differences, "fixed_gain": FIXED_GAIN}
 
 
-def verdict(paired: dict) -> str:
+def verdict(paired: dict, label: str = "RLEP") -> str:
     """One sentence on the best-accuracy difference and whether its interval excludes 0."""
     diff = paired["differences"]["best"]
     points = 100 * diff["mean"]
     side = "above" if points >= 0 else "below"
+    head = f"{label}'s best validation accuracy is {abs(points):.1f} points {side} the baseline's"
     if diff["low"] is None:
-        return (f"RLEP's best validation accuracy is {abs(points):.1f} points {side} the "
-                f"baseline's on one seed: no interval, no conclusion.")
+        return f"{head} on one seed: no interval, no conclusion."
     low, high = 100 * diff["low"], 100 * diff["high"]
+    interval = f"(paired over {diff['n']} seeds, 95% interval {low:+.1f} to {high:+.1f})"
     if low > 0 or high < 0:
-        return (f"RLEP's best validation accuracy is {abs(points):.1f} points {side} the "
-                f"baseline's (paired over {diff['n']} seeds, 95% interval {low:+.1f} to "
-                f"{high:+.1f}): the interval excludes 0.")
-    return (f"RLEP's best validation accuracy is {abs(points):.1f} points {side} the "
-            f"baseline's (paired over {diff['n']} seeds, 95% interval {low:+.1f} to "
-            f"{high:+.1f}): the interval includes 0, so this run shows no difference.")
+        return f"{head} {interval}: the interval excludes 0."
+    return f"{head} {interval}: the interval includes 0, so this run shows no difference."
 
 
-def paired_table(paired: dict, k: int) -> str:
+def paired_table(paired: dict, k: int, label: str = "RLEP") -> str:
     def interval(d: dict, scale: float, unit: str) -> str:
         if d["low"] is None:
             return f"{scale * d['mean']:+.1f}{unit}"
@@ -251,7 +255,7 @@ def paired_table(paired: dict, k: int) -> str:
                 f"[{scale * d['low']:+.1f}, {scale * d['high']:+.1f}]")
 
     d = paired["differences"]
-    rows = [("RLEP - baseline, paired by seed", "mean [95% interval]"),
+    rows = [(f"{label} - baseline, paired by seed", "mean [95% interval]"),
             (f"best validation mean@{k} (points)", interval(d["best"], 100, "")),
             (f"final validation mean@{k} (points)", interval(d["final"], 100, "")),
             ("area under the validation curve (points)", interval(d["auc"], 100, "")),
@@ -268,8 +272,18 @@ def paired_table(paired: dict, k: int) -> str:
     return "\n".join(lines)
 
 
+ARM_LABELS = {"baseline": "baseline", "rlep": "RLEP", "rlep_equal": "RLEP equal-updates",
+              "online": "online replay"}
+
+
+def arm_order(summary: dict) -> list[str]:
+    """The arms of a summary, baseline first."""
+    return list(summary.get("arm_names") or [a for a in ("baseline", "rlep") if a in summary])
+
+
 def comparison_table(summary: dict) -> str:
-    b, r, k = summary["baseline"], summary["rlep"], summary["k"]
+    arms, k = arm_order(summary), summary["k"]
+    b = summary["baseline"]
 
     def pct(spread: dict) -> str:
         return (f"{100 * spread['mean']:.1f}% (sd {100 * spread['sd']:.1f}, "
@@ -278,18 +292,22 @@ def comparison_table(summary: dict) -> str:
     def reach(arm: dict) -> str:
         return "not reached" if arm["steps_to_target"] is None else str(arm["steps_to_target"])
 
+    def steps(arm: dict) -> str:
+        value = arm.get("opt_steps", {}).get("mean", float("nan"))
+        return "-" if math.isnan(value) else f"{value:.2f}"
+
     seeds = len(b["best_val"]["values"])
-    rows = [(f"over {seeds} seeds: mean (sd, min-max)", "baseline", "RLEP"),
-            (f"validation mean@{k} at step 0", pct(b["start_val"]), pct(r["start_val"])),
-            (f"best validation mean@{k}", pct(b["best_val"]), pct(r["best_val"])),
-            (f"final validation mean@{k}", pct(b["final_val"]), pct(r["final_val"])),
-            (f"steps to the baseline's best mean ({100 * b['best_mean_val']:.1f}%)",
-             reach(b), reach(r)),
-            ("training step alone (s)", f"{b['step_s']['mean']:.2f}",
-             f"{r['step_s']['mean']:.2f}"),
-            ("per step with validation and checkpoints (s)", f"{b['all_s']['mean']:.2f}",
-             f"{r['all_s']['mean']:.2f}")]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    rows = [(f"over {seeds} seeds: mean (sd, min-max)", *(ARM_LABELS.get(a, a) for a in arms))]
+    table = [(f"validation mean@{k} at step 0", lambda a: pct(a["start_val"])),
+             (f"best validation mean@{k}", lambda a: pct(a["best_val"])),
+             (f"final validation mean@{k}", lambda a: pct(a["final_val"])),
+             (f"steps to the baseline's best mean ({100 * b['best_mean_val']:.1f}%)", reach),
+             ("optimizer steps per training step", steps),
+             ("training step alone (s)", lambda a: f"{a['step_s']['mean']:.2f}"),
+             ("per step with validation and checkpoints (s)",
+              lambda a: f"{a['all_s']['mean']:.2f}")]
+    rows += [(name, *(cell(summary[a]) for a in arms)) for name, cell in table]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
@@ -303,13 +321,14 @@ def plot_comparison(summary: dict, path: str) -> None:
     panels = [("val_band", f"validation mean@{summary['k']} (%)"),
               ("train_band", "training accuracy: fresh rollouts correct (%)")]
     for ax, (key, label) in zip(axes, panels):
-        for arm, name in (("baseline", "baseline"), ("rlep", "RLEP")):
+        for arm in arm_order(summary):
+            name = ARM_LABELS.get(arm, arm)
             points = sorted((int(s), v) for s, v in summary[arm][key].items())
             steps = [s for s, _ in points]
             ax.plot(steps, [100 * v[0] for _, v in points], marker="o" if key == "val_band"
-                    else None, label=f"{name} (mean)")
+                    else None, ms=3, label=f"{name} (mean)")
             ax.fill_between(steps, [100 * v[1] for _, v in points],
-                            [100 * v[2] for _, v in points], alpha=0.2,
+                            [100 * v[2] for _, v in points], alpha=0.15,
                             label=f"{name} (min-max over seeds)")
         if key == "val_band":  # the levels of the paired "steps to" rows
             start = summary["baseline"]["start_val"]["mean"]
@@ -322,9 +341,9 @@ def plot_comparison(summary: dict, path: str) -> None:
         ax.set_ylim(bottom=0)
         ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"tiny default: baseline vs RLEP over "
-                 f"{len(summary['baseline']['best_val']['values'])} seeds")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"tiny default: {' vs '.join(ARM_LABELS.get(a, a) for a in arm_order(summary))}"
+                 f" over {len(summary['baseline']['best_val']['values'])} seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -377,12 +396,14 @@ def _check_settings(out_dir: str, warm_start_seed: int) -> None:
 
 def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
              seeds: Optional[int] = None, overrides: Optional[list[str]] = None,
-             warm_start_seed: int = 0, prepare_only: bool = False) -> dict:
+             warm_start_seed: int = 0, prepare_only: bool = False,
+             arms: Optional[list[str]] = None) -> dict:
     budget = dict(LONG if long else QUICK)
     if seeds is not None:
         if seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {seeds}")
         budget["seeds"] = seeds
+    arms = check_arms(arms)
     seed_list = list(range(1, budget["seeds"] + 1))
     steps = budget["steps"]
     overrides = list(overrides or [])
@@ -392,7 +413,7 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     recipes = examples_dir()
     task_dir, model_dir = os.path.join(out_dir, "task"), os.path.join(out_dir, "model")
     summary: dict = {"budget": budget, "nproc": nproc, "warm_start_seed": warm_start_seed,
-                     "torch_threads": _torch_threads()}
+                     "torch_threads": _torch_threads(), "arm_names": arms}
     summary["warm_start"] = prepare_model(out_dir, warm_start_seed)
     print(f"warm-started tiny model: greedy accuracy on the validation split "
           f"{100 * summary['warm_start']['accuracy']:.1f}% after "
@@ -406,57 +427,60 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
               f"data.val_files=[{os.path.join(task_dir, 'val.parquet')}]",
               f"trainer.total_steps={steps}",
               f"trainer.validation_interval_steps={VALIDATION_EVERY}",
+              f"checkpoint.save_interval_steps={steps}",
               "checkpoint.keep_last=1000"] + overrides
+    pool = os.path.join(out_dir, "pool.parquet")
 
     def run_dir(arm: str, seed: int) -> str:
         return os.path.join(out_dir, arm, f"seed_{seed}")
 
-    def train(arm: str, recipe: str, seed: int, extra: list[str]) -> None:
+    def train(arm: str, seed: int) -> None:
         directory = run_dir(arm, seed)
         done = os.path.join(directory, "checkpoints", f"step_{steps:08d}")
         if os.path.isdir(done):
             print(f"{arm} seed {seed}: already trained ({done})", flush=True)
             return
+        recipe, extra = arm_settings(arm, recipes, pool)
         print(f"{arm} seed {seed}: training {steps} steps ...", flush=True)
-        seconds = _run(["train", "--config", os.path.join(recipes, recipe), *common,
-                        f"trainer.seed={seed}", f"trainer.output_dir={directory}", *extra],
+        seconds = _run(["train", "--config", recipe, *common, *extra, f"trainer.seed={seed}",
+                        f"trainer.output_dir={directory}"],
                        nproc, os.path.join(out_dir, f"{arm}_seed_{seed}.log"))
         print(f"{arm} seed {seed}: done in {seconds:.0f} s", flush=True)
 
-    # the first seed's baseline checkpoints every validation, for the pool's source
     for seed in seed_list:
-        save_every = VALIDATION_EVERY if seed == seed_list[0] else steps
-        train("baseline", "tiny_cpu_baseline.yaml", seed,
-              [f"checkpoint.save_interval_steps={save_every}"])
-    source_curves = read_curves(os.path.join(run_dir("baseline", seed_list[0]), "metrics.jsonl"))
-    best_value = max(source_curves["val"].values())
-    best_step = min(s for s, v in source_curves["val"].items() if v == best_value)
-    source = (model_dir if best_step == 0 else os.path.join(
-        run_dir("baseline", seed_list[0]), "checkpoints", f"step_{best_step:08d}"))
-    pool = os.path.join(out_dir, "pool.parquet")
-    if not os.path.isfile(pool):
-        print(f"collecting the experience pool from baseline seed {seed_list[0]} at its best "
-              f"validation step {best_step} ...", flush=True)
+        train("baseline", seed)
+    # the paper collects the pool from the baseline's final checkpoint (one baseline run, one
+    # pool): here the first seed's, at its last step
+    source = os.path.join(run_dir("baseline", seed_list[0]), "checkpoints", f"step_{steps:08d}")
+    if any(arm in ("rlep", "rlep_equal") for arm in arms) and not os.path.isfile(pool):
+        print(f"collecting the experience pool from baseline seed {seed_list[0]} at its final "
+              f"step {steps} ...", flush=True)
         seconds = _run(["collect", "--config", os.path.join(recipes, "tiny_cpu_rlep.yaml"),
                         *common, f"collect.checkpoint={source}", f"collect.output_file={pool}",
                         f"trainer.output_dir={out_dir}"], nproc,
                        os.path.join(out_dir, "collect.log"))
         print(f"collect: done in {seconds:.0f} s", flush=True)
-    with open(os.path.splitext(pool)[0] + ".stats.json") as f:
-        summary["pool"] = json.load(f)
-    summary["pool"]["source_step"] = best_step
-    for seed in seed_list:
-        train("rlep", "tiny_cpu_rlep.yaml", seed,
-              [f"replay.pool_files=[{pool}]", f"checkpoint.save_interval_steps={steps}"])
+    if os.path.isfile(pool):
+        with open(os.path.splitext(pool)[0] + ".stats.json") as f:
+            summary["pool"] = json.load(f)
+        summary["pool"]["source_step"] = steps
+        print(f"pool: {summary['pool']['questions']} of {summary['pool']['training_questions']}"
+              f" training questions, {summary['pool']['answers']} answers, from baseline seed "
+              f"{seed_list[0]}'s step {steps} (its final checkpoint)", flush=True)
+    for arm in arms[1:]:
+        for seed in seed_list:
+            train(arm, seed)
 
     curves = {arm: [read_curves(os.path.join(run_dir(arm, s), "metrics.jsonl"))
-                    for s in seed_list] for arm in ("baseline", "rlep")}
+                    for s in seed_list] for arm in arms}
     summary["seeds"] = seed_list
     summary["baseline"] = summarise_arm(curves["baseline"], None)
-    summary["rlep"] = summarise_arm(curves["rlep"], summary["baseline"]["best_mean_val"])
-    summary["paired"] = paired_comparison(curves["baseline"], curves["rlep"],
-                                          summary["baseline"]["best_mean_val"])
-    summary["verdict"] = verdict(summary["paired"])
+    target = summary["baseline"]["best_mean_val"]
+    summary["paired"], summary["verdicts"] = {}, {}
+    for arm in arms[1:]:
+        summary[arm] = summarise_arm(curves[arm], target)
+        summary["paired"][arm] = paired_comparison(curves["baseline"], curves[arm], target)
+        summary["verdicts"][arm] = verdict(summary["paired"][arm], ARM_LABELS.get(arm, arm))
     summary["k"] = _validation_k(os.path.join(run_dir("baseline", seed_list[0]), "metrics.jsonl"))
     plot = os.path.join(out_dir, "comparison.png")
     plot_comparison(summary, plot)
@@ -465,11 +489,48 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     summary_path = os.path.join(out_dir, "summary.json")
     write_file_atomic(summary_path, json.dumps(summary, indent=1))
     print(comparison_table(summary))
-    print(paired_table(summary["paired"], summary["k"]))
-    print(summary["verdict"])
+    for arm in arms[1:]:
+        print(paired_table(summary["paired"][arm], summary["k"], ARM_LABELS.get(arm, arm)))
+    for arm in arms[1:]:
+        print(summary["verdicts"][arm])
     print(f"plot: {plot}\nsummary: {summary_path}\ntotal wall time: "
           f"{summary['wall_s'] / 60:.1f} min on {summary['machine']}", flush=True)
     return summary
+
+
+def check_arms(arms: Optional[list[str]]) -> list[str]:
+    """The demo's arms, baseline first (it is every comparison's reference)."""
+    arms = list(arms or DEFAULT_ARMS)
+    unknown = [a for a in arms if a not in ARM_LABELS]
+    if unknown:
+        raise ValueError(f"unknown demo arm(s) {unknown}; choose from {list(ARM_LABELS)}")
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"--arms names an arm twice: {arms}")
+    return ["baseline"] + [a for a in arms if a != "baseline"]
+
+
+def arm_settings(arm: str, recipes: str, pool: str) -> tuple[str, list[str]]:
+    """The recipe and overrides of one arm. ``rlep``: the paper's protocol, where the mini-batch
+    counts prompts x G sequences, so the G + M sequences of a group take (G + M) / G times the
+    baseline's optimizer steps (the paper's 9 vs 8); ``rlep_equal``: the same replays in
+    mini-batches of prompts x (G + M) sequences, as many optimizer steps as the baseline;
+    ``online``: online experience replay (``replay.mode=online``) from an empty pool."""
+    if arm == "baseline":
+        return os.path.join(recipes, "tiny_cpu_baseline.yaml"), []
+    recipe = os.path.join(recipes, "tiny_cpu_rlep.yaml")
+    if arm == "online":  # no offline pool: the run's own verified answers, as they appear
+        return recipe, ["replay.pool_files=[]", "replay.mode=online"]
+    extra = [f"replay.pool_files=[{pool}]"]
+    if arm == "rlep_equal":
+        from rlep_megatron.config import load_config
+
+        cfg = load_config(recipe)
+        if cfg.trainer.mini_batch_unit != "prompts":
+            raise ValueError(f"{recipe}: the equal-updates arm needs mini_batch_unit=prompts")
+        group = cfg.rollout.num_samples_per_prompt + cfg.replay.num_replays_per_prompt
+        extra += ["trainer.mini_batch_unit=sequences",
+                  f"trainer.mini_batch_size={cfg.trainer.mini_batch_size * group}"]
+    return recipe, extra
 
 
 def _torch_threads() -> int:

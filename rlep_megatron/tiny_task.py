@@ -10,7 +10,7 @@ Kinds (``make_tiny_task(kind=...)``):
   have two numbers in the top decade.
 
 The warm-start corpus (``train_solutions.jsonl``) imitates a partially competent model: every
-training question has its correct worked solution plus ``num_slips_easy`` (easy questions) or
+corpus question has its correct worked solution plus ``num_slips_easy`` (easy questions) or
 ``num_slips_hard`` (hard ones) *slipped* solutions, each written out the same way but with a
 wrong result of the kind a model gets wrong (``arith``: a ten dropped or added, as when a carry
 or borrow is mishandled, then the units digit off by one or two; ``max``: the runners-up). A model warm-started on it computes the answer, and samples a slip
@@ -21,8 +21,10 @@ result over the slips. With ``num_slips_* = 0`` the corpus is the reference solu
 Files written by :func:`make_tiny_task` in its output directory:
 
 * ``train.parquet`` / ``val.parquet``: DAPO schema (``prompt`` chat messages,
-  ``reward_model.ground_truth``, ``extra_info.index``); validation questions never appear in
-  the training split;
+  ``reward_model.ground_truth``, ``extra_info.index``); the RL training questions are the
+  corpus' questions, or with ``num_rl_train`` questions of their own that the corpus does not
+  hold; validation questions are disjoint from both modulo the task's symmetry (commutativity
+  of ``+``, the order of ``max``'s numbers);
 * ``train_solutions.jsonl``: ``{"question", "solution"}`` per line, the warm-start corpus above.
 """
 from __future__ import annotations
@@ -55,6 +57,14 @@ class TaskKind:
     slips: Callable[[tuple], list[int]]
     """wrong results a model plausibly writes, most plausible first"""
     num_questions: Callable[[int], int]
+    canonical: Callable[[tuple], tuple]
+    """one representative of the question's symmetry class (``3 + 5`` and ``5 + 3`` are one
+    question to a model that has learnt either; so are the orders of ``max``'s numbers)"""
+
+
+def _arith_canonical(key: tuple) -> tuple:
+    a, op, b = key
+    return (min(a, b), op, max(a, b)) if op == "+" else key
 
 
 def _arith_value(key: tuple) -> int:
@@ -89,6 +99,7 @@ TASK_KINDS: dict[str, TaskKind] = {
         is_hard=_arith_hard,
         slips=_arith_slips,
         num_questions=lambda top: (top + 1) ** 2 * 2,
+        canonical=_arith_canonical,
     ),
     "max": TaskKind(
         draw=lambda rng, top: tuple(rng.randint(0, 99) for _ in range(4)),
@@ -98,6 +109,7 @@ TASK_KINDS: dict[str, TaskKind] = {
         is_hard=lambda k: sorted(k)[-2] // 10 == max(k) // 10,
         slips=_max_slips,
         num_questions=lambda top: 100 ** 4,
+        canonical=lambda k: tuple(sorted(k)),
     ),
 }
 
@@ -108,35 +120,64 @@ def data_source(kind: str) -> str:
 
 def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: int = 64,
                    max_operand: int = 20, kind: str = "arith", num_slips_easy: int = 0,
-                   num_slips_hard: int = 0) -> dict[str, str]:
+                   num_slips_hard: int = 0, num_rl_train: Optional[int] = None
+                   ) -> dict[str, str]:
     """Write the task files to ``out_dir``; returns their paths. Same arguments -> same files.
 
-    ``max_operand`` bounds the ``arith`` operands; ``num_slips_easy`` / ``num_slips_hard`` are
-    the slipped solutions per easy / hard training question in the warm-start corpus."""
+    ``num_train`` questions make the warm-start corpus. ``num_rl_train`` (optional) questions
+    make the RL training split instead, drawn apart from the corpus' questions, so that RL
+    trains on questions the warm start never saw; without it the RL training split is the
+    corpus' questions. Validation questions are disjoint from both modulo the task's symmetry
+    (``TaskKind.canonical``: no ``5 + 3`` when ``3 + 5`` is trained), and so are the RL
+    questions from the corpus'. ``max_operand`` bounds the ``arith`` operands;
+    ``num_slips_easy`` / ``num_slips_hard`` are the slipped solutions per easy / hard corpus
+    question."""
     if kind not in TASK_KINDS:
         raise ValueError(f"unknown tiny task kind {kind!r}; choose one of {sorted(TASK_KINDS)}")
-    if num_train < 1 or num_val < 1:
-        raise ValueError("num_train and num_val must be >= 1")
+    if num_train < 1 or num_val < 1 or (num_rl_train is not None and num_rl_train < 1):
+        raise ValueError("num_train, num_val and num_rl_train must be >= 1")
     if num_slips_easy < 0 or num_slips_hard < 0:
         raise ValueError("num_slips_easy and num_slips_hard must be >= 0")
     task = TASK_KINDS[kind]
     space = task.num_questions(max_operand)
-    if num_train + num_val > space:
+    wanted = num_train + num_val + (num_rl_train or 0)
+    if wanted > space:
         raise ValueError(f"only {space} distinct {kind} questions with max_operand="
-                         f"{max_operand}; asked for {num_train + num_val}")
+                         f"{max_operand}; asked for {wanted}")
     rng = random.Random(seed)
     seen: set[tuple] = set()
-    items = []
-    while len(items) < num_train + num_val:
+    corpus_keys: list[tuple] = []
+    while len(corpus_keys) < num_train:  # the first num_train distinct questions drawn
         key = task.draw(rng, max_operand)
         if key not in seen:
             seen.add(key)
-            items.append(key)
+            corpus_keys.append(key)
+    taken = {task.canonical(k) for k in corpus_keys}
+
+    def draw_apart(count: int, split: str) -> list[tuple]:
+        """``count`` questions of symmetry classes not taken yet (one per class)."""
+        keys: list[tuple] = []
+        misses = 0
+        while len(keys) < count:
+            key = task.draw(rng, max_operand)
+            if task.canonical(key) in taken:
+                misses += 1
+                if misses > 10_000 + 100 * count:
+                    raise ValueError(
+                        f"cannot draw {count} {split} questions apart from the other splits "
+                        f"modulo symmetry with max_operand={max_operand} (only {len(keys)} "
+                        f"found): raise max_operand or ask for fewer questions")
+                continue
+            taken.add(task.canonical(key))
+            keys.append(key)
+        return keys
+
+    rl_keys = corpus_keys if num_rl_train is None else draw_apart(num_rl_train, "RL training")
     os.makedirs(out_dir, exist_ok=True)
     paths = {"train": os.path.join(out_dir, "train.parquet"),
              "val": os.path.join(out_dir, "val.parquet"),
              "solutions": os.path.join(out_dir, "train_solutions.jsonl")}
-    splits = {"train": items[:num_train], "val": items[num_train:]}
+    splits = {"train": rl_keys, "val": draw_apart(num_val, "validation")}
     for split, keys in splits.items():
         rows = PromptRows()
         for i, key in enumerate(keys):
@@ -147,7 +188,7 @@ def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: i
             rows.index.append(f"{split}-{i}")
         write_table_atomic(rows_to_table(rows), paths[split])
     corpus = []
-    for key in splits["train"]:
+    for key in corpus_keys:
         value = task.answer(key)
         count = num_slips_hard if task.is_hard(key) else num_slips_easy
         wrong = [v for v in dict.fromkeys(task.slips(key)) if v != value][:count]

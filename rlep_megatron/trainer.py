@@ -51,6 +51,7 @@ class Sample:
     engine_logprobs: Optional[list[float]] = None
     finish_reason: str = "stop"
     pool_index: Optional[int] = None     # a replay: which answer of its question's pool
+    age: Optional[int] = None            # an online replay: steps since it was sampled
     score: float = 0.0
     acc: bool = False
     reward: float = 0.0
@@ -169,7 +170,7 @@ class Trainer:
 
     def _load_data(self) -> None:
         from rlep_megatron.data.schema import read_prompt_files
-        from rlep_megatron.replay.pool import ExperiencePool
+        from rlep_megatron.replay.pool import ExperiencePool, OnlinePool
 
         cfg = self.cfg
         self.train_rows = read_prompt_files(cfg.data.train_files)
@@ -181,19 +182,34 @@ class Trainer:
                        **({"data.val_files": self.val_rows} if self.val_rows else {})},
                       cfg.reward.function)
         self.pool = None
-        if cfg.replay.num_replays_per_prompt > 0:
-            if cfg.replay.pool_files:
-                pool_rows = read_prompt_files(cfg.replay.pool_files)
-                source = ", ".join(cfg.replay.pool_files)
+        replay = cfg.replay
+        if replay.num_replays_per_prompt > 0:
+            offline: dict[str, list[str]] = {}
+            if replay.mode != "online":
+                if replay.pool_files:
+                    pool_rows = read_prompt_files(replay.pool_files)
+                    source = ", ".join(replay.pool_files)
+                else:
+                    pool_rows, source = self.train_rows, "the training files"
+                offline = ExperiencePool.from_rows(pool_rows).answers
+                if not offline:
+                    raise ValueError(f"replay.num_replays_per_prompt="
+                                     f"{replay.num_replays_per_prompt} but {source} hold no "
+                                     "reward_model.candidates; give replay.pool_files (an "
+                                     "`rlep collect` output), use replay.mode=online or set "
+                                     "replay.num_replays_per_prompt=0")
+                ExperiencePool(offline).check_matches(self.train_rows, source)
+            if replay.mode == "offline":
+                self.pool = ExperiencePool(offline)
+                if replay.pooled_questions_only:
+                    kept = self.pool.pooled_rows(self.train_rows)
+                    if len(kept) < len(self.train_rows):
+                        logger.info("replay.pooled_questions_only: training on the %d of %d "
+                                    "training rows whose question has pool answers",
+                                    len(kept), len(self.train_rows))
+                        self.train_rows = self.train_rows.select(kept)
             else:
-                pool_rows, source = self.train_rows, "the training files"
-            self.pool = ExperiencePool.from_rows(pool_rows)
-            if len(self.pool) == 0:
-                raise ValueError(f"replay.num_replays_per_prompt="
-                                 f"{cfg.replay.num_replays_per_prompt} but {source} hold no "
-                                 "reward_model.candidates; give replay.pool_files (an "
-                                 "`rlep collect` output) or set replay.num_replays_per_prompt=0")
-            self.pool.check_matches(self.train_rows, source)
+                self.pool = OnlinePool(offline, replay.online_answers_per_question)
 
     def _build_parallel_and_models(self) -> None:
         from rlep_megatron.actor.model import build_from_hf
@@ -268,14 +284,16 @@ class Trainer:
     def _build_step_functions(self) -> None:
         from rlep_megatron.data.sampler import PromptSampler
         from rlep_megatron.metrics import MetricsWriter
-        from rlep_megatron.replay.pool import ReplaySampler
+        from rlep_megatron.replay.pool import OnlinePool, ReplaySampler
         from rlep_megatron.reward import make_scorer_pool
 
         cfg = self.cfg
         self.sampler = PromptSampler(len(self.train_rows), cfg.data.train_batch_size,
                                      cfg.trainer.seed, cfg.data.shuffle, cfg.data.drop_last)
         self.replay_sampler = (ReplaySampler(self.pool, cfg.replay.num_replays_per_prompt,
-                                             cfg.trainer.seed) if self.pool else None)
+                                             cfg.trainer.seed)
+                               if self.pool is not None else None)
+        self.online_pool = self.pool if isinstance(self.pool, OnlinePool) else None
         self.scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers,
                                        cfg.reward.timeout_s)
         self._prompt_cache: dict[int, list[int]] = {}
@@ -323,19 +341,25 @@ class Trainer:
         return batch
 
     def _add_replays(self, batch: StepBatch) -> None:
+        from rlep_megatron.data.schema import prompt_key
         from rlep_megatron.replay.pool import tokenize_replays
 
         replays = []
+        online, weighted = self.online_pool, self.cfg.replay.online_low_pass_weight
         for group, row in enumerate(batch.rows):
             messages = self.train_rows.messages[row]
-            indices = self.replay_sampler.draw_indices(messages)
+            keep = 1.0
+            if weighted:  # toward the questions the policy failed at their last rollout
+                keep = 1.0 - online.pass_rate.get(prompt_key(messages), 0.0)
+            indices = self.replay_sampler.draw_indices(messages, keep_prob=keep)
             answers = self.replay_sampler.pool.get(messages)
             items = tokenize_replays([answers[i] for i in indices], self.tokenizer,
                                      self.cfg.rollout.max_response_tokens,
                                      self.engine.eos_token_id)
             for index, item in zip(indices, items):
+                age = online.age(messages, index, self.step) if online is not None else None
                 replays.append(Sample(group, item.token_ids, item.text, REPLAY,
-                                      pool_index=index))
+                                      pool_index=index, age=age))
         # each group: its G fresh responses, then its replays
         by_group: dict[int, list[Sample]] = {}
         for seq in batch.sequences + replays:
@@ -425,6 +449,22 @@ class Trainer:
             if seq.source == REPLAY:
                 self.replay_sampler.record(self.train_rows.messages[batch.rows[seq.group]],
                                            seq.pool_index)
+
+    def _admit_online(self, batch: StepBatch) -> int:
+        """replay.mode online / both: the step's verified-correct fresh answers that ended by
+        themselves join their question's pool (after this step's replays were drawn)."""
+        if self.online_pool is None:
+            return 0
+        by_group: dict[int, list[Sample]] = {}
+        for seq in batch.sequences:
+            if seq.source == FRESH:
+                by_group.setdefault(seq.group, []).append(seq)
+        admitted = 0
+        for group, members in sorted(by_group.items()):
+            admitted += self.online_pool.admit(
+                self.train_rows.messages[batch.rows[group]], [s.text for s in members],
+                [s.acc and s.finish_reason != "length" for s in members], self.step)
+        return admitted
 
     def _seed(self, round_index: int) -> int:
         return (self.cfg.trainer.seed * 1_000_003 + self.step) * 101 + round_index
@@ -670,6 +710,7 @@ class Trainer:
         step_start = time.perf_counter()
         batch = self.make_batch(timer)
         self._count_replays(batch)
+        admitted = self._admit_online(batch)
         with timer.phase("advantage"):
             self.advantage(batch)
         plan = self.mini_batches(batch)
@@ -686,6 +727,15 @@ class Trainer:
             self.weight_sync()
         self.step += 1
         metrics = self.step_metrics(batch, train, old_metrics)
+        if self.online_pool is not None:
+            ages = [s.age for s in batch.sequences if s.age is not None]
+            metrics.update({
+                "replay/online_admitted": float(admitted),
+                "replay/online_answers": float(self.online_pool.num_online_answers()),
+                "replay/online_age_mean": _mean(ages)})
+        if self.pool is not None:
+            metrics["replay/pool_questions"] = float(len(self.pool))
+            metrics["replay/pool_answers"] = float(sum(map(len, self.pool.answers.values())))
         metrics.update(timer.values)
         metrics["timing/step_s"] = time.perf_counter() - step_start
         metrics.update(_throughput(batch, timer.values))

@@ -2,9 +2,9 @@
 
 Pure Python; no torch.distributed.
 """
-from rlep_megatron.replay.pool import (FRESH, REPLAY, ExperiencePool, ReplayResponse,
-                                       ReplaySampler, tokenize_replays)
+from rlep_megatron.replay.pool import (FRESH, REPLAY, ExperiencePool, OnlinePool,
+                                       ReplayResponse, ReplaySampler, tokenize_replays)
 from rlep_megatron.replay.writer import pool_rows, pool_stats, write_pool
 
-__all__ = ["ExperiencePool", "ReplaySampler", "ReplayResponse", "tokenize_replays", "pool_rows",
+__all__ = ["ExperiencePool", "OnlinePool", "ReplaySampler", "ReplayResponse", "tokenize_replays", "pool_rows",
            "pool_stats", "write_pool", "REPLAY", "FRESH"]

@@ -58,6 +58,15 @@ class ExperiencePool:
         keys = {prompt_key(m) for m in rows.messages}
         return sum(k in self.answers for k in keys) / max(1, len(keys))
 
+    def num_offline(self, key: str) -> int:
+        """How many of the question's answers came from the pool files (all of them here)."""
+        return len(self.answers.get(key, ()))
+
+    def pooled_rows(self, rows: PromptRows) -> list[int]:
+        """Indices of the rows of ``rows`` whose question has pool answers, in order."""
+        return [r for r, messages in enumerate(rows.messages) if prompt_key(messages) in
+                self.answers]
+
     def check_matches(self, rows: PromptRows, source: str) -> None:
         """Fail early when a pool shares no question with the training data."""
         if len(self) and self.coverage(rows) == 0.0:
@@ -67,13 +76,91 @@ class ExperiencePool:
                 "with a different prompt format?")
 
 
+class OnlinePool(ExperiencePool):
+    """An experience pool that grows during the run (``replay.mode: online | both``): the
+    verified-correct fresh answers of each step join their question's pool, after the
+    question's offline answers (``both``; none with ``online``), keeping the most recent
+    ``answers_per_question`` of them. Each online answer remembers the step that sampled it
+    (for its age when replayed), and each question its latest pass rate (for the optional
+    weighting toward questions the policy still fails). The whole state is checkpointed."""
+
+    def __init__(self, offline: dict[str, list[str]], answers_per_question: int):
+        if answers_per_question < 1:
+            raise ValueError(f"online answers per question must be >= 1, got "
+                             f"{answers_per_question}")
+        super().__init__({key: list(texts) for key, texts in offline.items()})
+        self.offline_counts = {key: len(texts) for key, texts in offline.items()}
+        self.answers_per_question = answers_per_question
+        self.born: dict[str, list[int]] = {}
+        """per question: the step of each online answer, in the order of its online answers"""
+        self.pass_rate: dict[str, float] = {}
+
+    def num_offline(self, key: str) -> int:
+        return self.offline_counts.get(key, 0)
+
+    def admit(self, messages: Sequence[dict], texts: Sequence[str], correct: Sequence[bool],
+              step: int) -> int:
+        """Record one group's fresh answers (sampled at ``step``): its pass rate, and its
+        correct non-empty texts as the newest online answers (the oldest beyond the cap
+        leave). Returns the number admitted."""
+        if len(texts) != len(correct):
+            raise ValueError("admit needs one correctness flag per text")
+        if not texts:
+            return 0
+        key = prompt_key(messages)
+        self.pass_rate[key] = sum(map(bool, correct)) / len(correct)
+        new = [text for text, ok in zip(texts, correct) if ok and text and text.strip()]
+        if not new:
+            return 0
+        offline = self.num_offline(key)
+        texts_now = self.answers.get(key, [])
+        online = (texts_now[offline:] + new)[-self.answers_per_question:]
+        born = (self.born.get(key, []) + [step] * len(new))[-self.answers_per_question:]
+        self.answers[key] = texts_now[:offline] + online
+        self.born[key] = born
+        return len(new)
+
+    def age(self, messages: Sequence[dict], index: int, step: int) -> Optional[int]:
+        """Steps since answer ``index`` of the question was sampled (None: an offline one)."""
+        key = prompt_key(messages)
+        offline = self.num_offline(key)
+        return None if index < offline else step - self.born[key][index - offline]
+
+    def num_online_answers(self) -> int:
+        return sum(len(b) for b in self.born.values())
+
+    def state_dict(self) -> dict:
+        return {"online": {key: [self.answers[key][self.num_offline(key):], list(born)]
+                           for key, born in self.born.items()},
+                "pass_rate": dict(self.pass_rate),
+                "answers_per_question": self.answers_per_question}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["answers_per_question"] != self.answers_per_question:
+            raise ValueError(f"the checkpoint's online pool keeps "
+                             f"{state['answers_per_question']} answers per question, this run "
+                             f"{self.answers_per_question}: resume with the same "
+                             "replay.online_answers_per_question")
+        for key in list(self.born):  # back to the offline pool, then the saved online part
+            self.answers[key] = self.answers[key][:self.num_offline(key)]
+            if not self.answers[key]:
+                del self.answers[key]
+        self.born = {}
+        for key, (texts, born) in state["online"].items():
+            self.answers[key] = self.answers.get(key, [])[:self.num_offline(key)] + list(texts)
+            self.born[key] = list(born)
+        self.pass_rate = dict(state["pass_rate"])
+
+
 class ReplaySampler:
     """Draws M pool answers per prompt occurrence, uniformly without replacement (all of them,
     in stored order, when the pool has <= M); a fresh draw every time a row is used.
 
-    It also counts how many times each pool answer has been replayed (:meth:`record`, called
-    for the replays that made it into a training batch). The RNG state and the counts are
-    saved in checkpoints, so a resumed run draws the same replays and keeps counting."""
+    It also counts how many times each pool answer from the pool files has been replayed
+    (:meth:`record`, called for the replays that made it into a training batch; answers of an
+    :class:`OnlinePool` come and go, and are not counted). The RNG state, the counts and an
+    online pool's state are saved in checkpoints, so a resumed run draws the same replays and
+    keeps counting."""
 
     def __init__(self, pool: ExperiencePool, num_replays_per_prompt: int, seed: int):
         if num_replays_per_prompt < 0:
@@ -82,13 +169,16 @@ class ReplaySampler:
         self.num_replays_per_prompt = num_replays_per_prompt
         self._rng = np.random.default_rng([seed, 0x5E1A7])
         self._counts: dict[str, list[int]] = {}
-        self._num_answers = sum(len(texts) for texts in pool.answers.values())
+        self._num_answers = sum(pool.num_offline(key) for key in pool.answers)
 
-    def draw_indices(self, messages: Sequence[dict]) -> list[int]:
-        """Indices into the question's pool answers (``pool.get(messages)``)."""
+    def draw_indices(self, messages: Sequence[dict], keep_prob: float = 1.0) -> list[int]:
+        """Indices into the question's pool answers (``pool.get(messages)``). With
+        ``keep_prob`` < 1 the group gets its replays only with that probability."""
         n = len(self.pool.get(messages))
         m = self.num_replays_per_prompt
         if m == 0 or n == 0:
+            return []
+        if keep_prob < 1.0 and self._rng.random() >= keep_prob:
             return []
         if n <= m:
             return list(range(n))
@@ -101,7 +191,10 @@ class ReplaySampler:
     def record(self, messages: Sequence[dict], index: int) -> None:
         """Count one replay of answer ``index`` of the question ``messages``."""
         key = prompt_key(messages)
-        counts = self._counts.setdefault(key, [0] * len(self.pool.answers[key]))
+        offline = self.pool.num_offline(key)
+        if index >= offline:
+            return  # an online answer
+        counts = self._counts.setdefault(key, [0] * offline)
         counts[index] += 1
 
     def replay_counts_summary(self) -> dict[str, float]:
@@ -115,12 +208,20 @@ class ReplaySampler:
                 "answers_replayed_frac": sum(c > 0 for c in flat) / total}
 
     def state_dict(self) -> dict:
-        return {"bit_generator": self._rng.bit_generator.state,
-                "counts": {key: list(c) for key, c in self._counts.items()}}
+        state = {"bit_generator": self._rng.bit_generator.state,
+                 "counts": {key: list(c) for key, c in self._counts.items()}}
+        if isinstance(self.pool, OnlinePool):
+            state["online_pool"] = self.pool.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._rng.bit_generator.state = state["bit_generator"]
         self._counts = {key: list(c) for key, c in state.get("counts", {}).items()}
+        if isinstance(self.pool, OnlinePool):
+            if "online_pool" not in state:
+                raise ValueError("the checkpoint was saved without an online pool; resume "
+                                 "with the replay.mode it was saved with")
+            self.pool.load_state_dict(state["online_pool"])
 
 
 @dataclass(frozen=True)

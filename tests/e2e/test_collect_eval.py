@@ -28,9 +28,9 @@ requires("vllm")
 
 @pytest.fixture(scope="module")
 def easy(tmp_path_factory):
-    """A task the tiny model can memorise (8 questions) and a model warm-started on it."""
+    """A task the tiny model can memorise (6 training questions) and a model warm-started on it."""
     root = tmp_path_factory.mktemp("easy")
-    task = make_tiny_task(str(root / "task"), seed=0, num_train=6, num_val=2, max_operand=1)
+    task = make_tiny_task(str(root / "task"), seed=0, num_train=6, num_val=2, max_operand=2)
     model = make_tiny_model(str(root / "model"), seed=0)
     result = warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6,
                         eval_parquet=task["train"])
@@ -81,14 +81,16 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
     assert all(len(c) >= 1 for c in rows.candidates)
     # min_correct (2) counts correct samples, duplicates included: a question of a finished
     # shard is in the pool exactly when that shard recorded >= 2 correct samples for it
-    kept = {m[0]["content"] for m in rows.messages}
+    # and every correct sample is a pool answer (the paper's M counts samples, not texts)
+    kept = {m[0]["content"]: c for m, c in zip(rows.messages, rows.candidates)}
     train = read_prompt_file(task["train"])
     for text in before.values():
         shard = json.loads(text)
         for row, count in zip(shard["rows"], shard["correct_counts"]):
-            assert (train.messages[row][0]["content"] in kept) == (count >= 2), (row, count)
+            question = train.messages[row][0]["content"]
+            assert (question in kept) == (count >= 2), (row, count)
+            assert question not in kept or len(kept[question]) == count
     for source, truth, candidates in zip(rows.data_source, rows.ground_truth, rows.candidates):
-        assert len(set(candidates)) == len(candidates)  # distinct texts
         assert all(compute_score(source, c, truth)["acc"] for c in candidates)
     pool = ExperiencePool.from_rows(rows)
     pool.check_matches(read_prompt_file(task["train"]), str(out))

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool, run_rlep,
                                small_task, train_overrides)
+from rlep_megatron.data.schema import read_prompt_file, rows_to_table, write_table_atomic
 from tests.torchrun import REPO_ROOT, _env
 from tests import requires
 
@@ -182,23 +183,51 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
     assert a[3]["train/grad_norm"] > 0
 
 
+# a reward that verifies about half of an untrained model's answers (by the parity of their
+# length), so that the online experience pool fills
+HALF_REWARD = ("def compute_score(data_source, solution_str, ground_truth):\n"
+               "    ok = len(solution_str) % 2 == 0\n"
+               "    return {'score': 1.0 if ok else -1.0, 'acc': ok}\n")
+
+
 @pytest.mark.parametrize("layout", [
     ["parallel.context_parallel_size=2", "model.logprob_chunk_tokens=8"],
-    ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
-], ids=["cp2-chunked-logprobs", "tp2-sp"])
+    ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+     "replay.mode=both", "replay.online_answers_per_question=2",
+     "replay.online_low_pass_weight=true"],
+], ids=["cp2-chunked-logprobs", "tp2-sp-online-replay"])
 def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_dir, task, pool,
                                                             tmp_path):
     """RLEP on 2 ranks with each sequence split over 2 context-parallel ranks (log-probs 8
-    tokens at a time), or with sequence parallelism at TP2: contract metrics finite, the engine
+    tokens at a time), or with sequence parallelism at TP2 and online experience replay
+    (replay.mode=both: the offline pool plus the run's own verified answers, at most 2 per
+    question, replayed toward the questions that failed): contract metrics finite, the engine
     agrees with the actor on every fresh token, and 2 steps + resume to 3 equal 3 straight
-    steps in every metric."""
+    steps in every metric (the online pool is part of the checkpoint)."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}", *layout]
+    online = "replay.mode=both" in layout
+    if online:
+        (tmp_path / "half.py").write_text(HALF_REWARD)
+        # the same 4 questions every step, so that a step replays what the previous admitted
+        few = str(tmp_path / "four.parquet")
+        write_table_atomic(rows_to_table(read_prompt_file(task["train"]).select(range(4))), few)
+        common += [f"reward.function={tmp_path / 'half.py'}:compute_score",
+                   "reward.overlong_buffer_tokens=0", f"data.train_files=[{few}]"]
     a = straight_equals_resumed(tiny_qwen2_dir, task, common, tmp_path)
     for entry in a[1:]:
         for key in CONTRACT_KEYS:
             assert math.isfinite(entry[key]), (key, entry[key])
         assert entry["rollout/logprob_abs_diff"] <= 1e-4
     assert a[3]["train/grad_norm"] > 0
+    if online:
+        # answers are admitted (capped at 2 per question), the pool grows past the offline
+        # one (48 questions x 2), and later steps replay online answers of earlier steps
+        assert all(e["replay/online_admitted"] > 0 for e in a[1:])
+        online_answers = [e["replay/online_answers"] for e in a[1:]]
+        assert 0 < online_answers[0] <= online_answers[-1] <= 2 * 4
+        assert [e["replay/pool_answers"] for e in a[1:]] == [96 + n for n in online_answers]
+        assert a[1]["replay/online_age_mean"] == 0.0  # nothing online before step 1
+        assert any(e["replay/online_age_mean"] >= 1 for e in a[2:])
 
 
 def straight_equals_resumed(hf_dir, task, common, tmp_path):

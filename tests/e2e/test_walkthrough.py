@@ -44,7 +44,7 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
     tiny = tmp_path / "outputs" / "tiny"
     tiny.mkdir(parents=True)
     _check_settings(str(tiny), 0)
-    task = make_tiny_task(str(tiny / "task"), seed=0, num_train=6, num_val=2, max_operand=1)
+    task = make_tiny_task(str(tiny / "task"), seed=0, num_train=6, num_val=2, max_operand=2)
     model = make_tiny_model(str(tiny / "model"), seed=0)
     warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6, show_progress=False)
 

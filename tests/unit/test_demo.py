@@ -10,16 +10,17 @@ from rlep_megatron.demo import band, comparison_table, plot_comparison, read_cur
 pytestmark = pytest.mark.unit
 
 
-def run(val, train, step_s=1.0):
+def run(val, train, step_s=1.0, opt_steps=8):
     # every validation adds 0.5 s to its step's all-included time
     return {"val": dict(val), "train": dict(train), "step_s": {s: step_s for s in train},
-            "all_s": {s: step_s * (s in train) + 0.5 * (s in val) for s in set(train) | set(val)}}
+            "all_s": {s: step_s * (s in train) + 0.5 * (s in val) for s in set(train) | set(val)},
+            "opt_steps": {s: opt_steps for s in train}}
 
 
 BASELINE = [run({0: 0.30, 4: 0.50, 8: 0.60}, {1: 0.3, 2: 0.4}, 1.0),
             run({0: 0.32, 4: 0.40, 8: 0.56}, {1: 0.5, 2: 0.6}, 2.0)]
-RLEP = [run({0: 0.30, 4: 0.58, 8: 0.62}, {1: 0.4, 2: 0.5}),
-        run({0: 0.32, 4: 0.60, 8: 0.50}, {1: 0.6, 2: 0.7})]
+RLEP = [run({0: 0.30, 4: 0.58, 8: 0.62}, {1: 0.4, 2: 0.5}, opt_steps=9),
+        run({0: 0.32, 4: 0.60, 8: 0.50}, {1: 0.6, 2: 0.7}, opt_steps=9)]
 
 
 def test_band_is_mean_min_max_over_seeds_on_shared_steps():
@@ -58,6 +59,14 @@ def test_table_and_plot(tmp_path):
     assert "steps to the baseline's best mean (58.0%)" in table
     lines = {line.split("  ")[0]: line for line in table.splitlines()}
     assert lines["steps to the baseline's best mean (58.0%)"].split()[-2:] == ["8", "4"]
+    assert lines["optimizer steps per training step"].split()[-2:] == ["8.00", "9.00"]
+    # a third arm gets its own column, in the order asked
+    summary["arm_names"] = ["baseline", "rlep", "online"]
+    summary["online"] = summarise_arm(BASELINE, summary["baseline"]["best_mean_val"])
+    table = comparison_table(summary)
+    assert table.splitlines()[0].split()[-4:] == ["baseline", "RLEP", "online", "replay"]
+    plot_comparison(summary, str(tmp_path / "three.png"))
+    assert (tmp_path / "three.png").stat().st_size > 10_000
     assert lines["training step alone (s)"].split()[-2:] == ["1.50", "1.00"]
     assert lines["per step with validation and checkpoints (s)"].split()[-2:] == ["2.25", "1.75"]
     plot_comparison(json.loads(json.dumps(summary)), str(tmp_path / "plot.png"))
@@ -97,6 +106,30 @@ def test_a_demo_directory_from_other_settings_is_refused(tmp_path):
     with pytest.raises(FileExistsError, match="remove it or give another --out-dir"):
         _check_settings(str(fresh), 0)
     assert len(list(old.iterdir())) == 1  # nothing written or removed
+
+
+def test_arms_and_their_optimizer_steps_follow_the_protocol():
+    """rlep: the paper's (G + M) / G optimizer steps per training step; rlep_equal: the
+    baseline's; checked through the trainer's own mini-batch plan on the recipes' settings."""
+    from rlep_megatron.config import load_config
+    from rlep_megatron.demo import arm_settings, check_arms, examples_dir
+    from rlep_megatron.trainer import mini_batch_plan
+
+    assert check_arms(None) == ["baseline", "rlep"]
+    assert check_arms(["online", "baseline"]) == ["baseline", "online"]
+    assert check_arms(["rlep"]) == ["baseline", "rlep"]
+    with pytest.raises(ValueError, match="unknown demo arm"):
+        check_arms(["rlep", "dpo"])
+    steps = {}
+    for arm in ("baseline", "rlep", "rlep_equal", "online"):
+        recipe, extra = arm_settings(arm, examples_dir(), "pool.parquet")
+        cfg = load_config(recipe, extra)
+        group = cfg.rollout.num_samples_per_prompt + cfg.replay.num_replays_per_prompt
+        steps[arm] = len(mini_batch_plan(cfg.data.train_batch_size * group, cfg))
+    g = load_config(arm_settings("rlep", examples_dir(), "p")[0]).rollout.num_samples_per_prompt
+    assert steps["baseline"] == steps["rlep_equal"] == 8
+    assert steps["online"] == steps["rlep"]  # once every group has online answers
+    assert steps["rlep"] * g == steps["baseline"] * (g + 1)  # 9 vs 8 with G = 8, M = 1
 
 
 def test_t_quantiles_match_the_printed_tables():

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlep_megatron.data import PromptRows, read_prompt_file
+from rlep_megatron.data.schema import prompt_key
 from rlep_megatron.replay import (REPLAY, ExperiencePool, ReplaySampler, pool_rows, pool_stats,
                                   tokenize_replays, write_pool)
 from rlep_megatron.reward import compute_score
@@ -156,3 +157,99 @@ def test_pool_that_matches_no_training_question_is_an_error():
         pool.check_matches(other, "pool.parquet")
     pool.check_matches(rows_with([None]), "pool.parquet")
     assert pool_stats(rows_with([["a"], ["b", "c"]]))["answers_per_question_max"] == 2
+
+
+def test_collection_keeps_every_correct_sample_by_default():
+    """The paper's pool: every correct sample of a question (a common answer as often as the
+    model wrote it), its count including duplicates; one copy per text is an option."""
+    from rlep_megatron.collect import correct_answers
+    from rlep_megatron.config import CollectConfig
+
+    texts = ["a", "b", "a", "c", "a", "c"]
+    correct = [True, False, True, True, False, True]
+    assert correct_answers(texts, correct, distinct=False) == (["a", "a", "c", "c"], 4)
+    assert correct_answers(texts, correct, distinct=True) == (["a", "c"], 4)
+    assert correct_answers(texts, [False] * 6, distinct=False) == ([], 0)
+    assert CollectConfig().distinct_texts is False
+
+
+def test_pooled_rows_are_the_training_rows_with_a_pool():
+    pool = ExperiencePool.from_rows(rows_with([None, ["1"], ["2", "2"], None]))
+    rows = PromptRows(data_source=["s"] * 4, messages=[msg(2), msg(0), msg(1), msg(2)],
+                      ground_truth=["2", "0", "1", "2"], candidates=[None] * 4,
+                      index=["a", "b", "c", "d"])
+    assert pool.pooled_rows(rows) == [0, 2, 3]
+    from rlep_megatron.config import ReplayConfig
+
+    assert ReplayConfig().pooled_questions_only is True  # the authors' training file
+
+
+def test_online_pool_history_worked_by_hand():
+    """Admission of verified answers only, the per-question cap (most recent K), ages, the
+    offline answers kept first (mode both), and the state round trip."""
+    from rlep_megatron.replay import OnlinePool
+
+    key0, key1 = prompt_key(msg(0)), prompt_key(msg(1))
+    pool = OnlinePool({key1: ["off"]}, answers_per_question=3)
+    assert len(pool) == 1 and pool.get(msg(0)) == []
+    # step 0: question 0 gets two correct of four (one empty text is never admitted)
+    assert pool.admit(msg(0), ["a", "x", "b", " "], [True, False, True, True], step=0) == 2
+    assert pool.get(msg(0)) == ["a", "b"] and pool.pass_rate[key0] == 0.75
+    # step 2: two more; the cap keeps the 3 most recent (a leaves)
+    assert pool.admit(msg(0), ["c", "d", "y"], [True, True, False], step=2) == 2
+    assert pool.get(msg(0)) == ["b", "c", "d"] and pool.born[key0] == [0, 2, 2]
+    assert [pool.age(msg(0), i, step=5) for i in range(3)] == [5, 3, 3]
+    # a failed group: nothing admitted, its pass rate recorded
+    assert pool.admit(msg(0), ["z"], [False], step=3) == 0 and pool.pass_rate[key0] == 0.0
+    # mode both: the offline answers stay first and are not capped or aged
+    assert pool.admit(msg(1), ["e", "f", "g", "h"], [True] * 4, step=4) == 4
+    assert pool.get(msg(1)) == ["off", "f", "g", "h"]
+    assert pool.age(msg(1), 0, step=9) is None and pool.age(msg(1), 1, step=9) == 5
+    assert pool.num_online_answers() == 6
+    # the state round trip, into a pool that has moved on
+    state = json.loads(json.dumps(pool.state_dict()))
+    other = OnlinePool({key1: ["off"]}, answers_per_question=3)
+    other.admit(msg(2), ["q"], [True], step=0)
+    other.load_state_dict(state)
+    assert other.answers == pool.answers and other.born == pool.born
+    assert other.pass_rate == pool.pass_rate
+    with pytest.raises(ValueError, match="online_answers_per_question"):
+        OnlinePool({}, answers_per_question=2).load_state_dict(state)
+
+
+def test_online_replays_are_drawn_resumed_and_weighted_toward_failed_questions():
+    from rlep_megatron.replay import OnlinePool
+
+    pool = OnlinePool({}, answers_per_question=4)
+    sampler = ReplaySampler(pool, 1, seed=3)
+    assert sampler.draw_indices(msg(0)) == []  # an empty pool replays nothing
+    pool.admit(msg(0), ["a", "b"], [True, True], step=0)
+    pool.admit(msg(1), ["c", "x"], [True, False], step=0)
+    sampler.record(msg(0), 0)  # online answers are not counted
+    assert sampler.replay_counts_summary()["times_replayed_max"] == 0
+    # the state (RNG and pool) restores the same draws
+    state = sampler.state_dict()
+    first = [sampler.draw_indices(msg(i % 2)) for i in range(20)]
+    fresh_pool = OnlinePool({}, answers_per_question=4)
+    again = ReplaySampler(fresh_pool, 1, seed=99)
+    again.load_state_dict(state)
+    assert fresh_pool.get(msg(0)) == ["a", "b"]
+    assert [again.draw_indices(msg(i % 2)) for i in range(20)] == first
+    # weighting: a group gets replays with probability 1 - pass rate
+    got = [bool(sampler.draw_indices(msg(1), keep_prob=0.5)) for _ in range(2000)]
+    assert 0.45 < sum(got) / len(got) < 0.55
+    assert not any(sampler.draw_indices(msg(0), keep_prob=0.0) for _ in range(50))
+    with pytest.raises(ValueError, match="without an online pool"):
+        again.load_state_dict({"bit_generator": state["bit_generator"], "counts": {}})
+
+
+def test_online_replay_settings_are_checked():
+    from rlep_megatron.config import ReplayConfig
+
+    with pytest.raises(ValueError, match="replays nothing"):
+        ReplayConfig(mode="online")
+    with pytest.raises(ValueError, match="use replay.mode=both"):
+        ReplayConfig(num_replays_per_prompt=1, mode="online", pool_files=["p.parquet"])
+    with pytest.raises(ValueError, match="needs replay.mode=online or both"):
+        ReplayConfig(num_replays_per_prompt=1, online_low_pass_weight=True)
+    ReplayConfig(num_replays_per_prompt=1, mode="both", pool_files=["p.parquet"])

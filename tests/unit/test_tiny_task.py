@@ -27,7 +27,7 @@ def test_arith_corpus_has_one_correct_and_the_slips(tmp_path):
                            num_slips_easy=1, num_slips_hard=2)
     train, val = read_prompt_file(paths["train"]), read_prompt_file(paths["val"])
     questions = [m[0]["content"] for m in train.messages]
-    assert not set(questions) & {m[0]["content"] for m in val.messages}
+    assert not {_class(k) for k in _keys(paths["train"])} & {_class(k) for k in _keys(paths["val"])}
     solutions = corpus_by_question(paths["solutions"])
     assert set(solutions) == set(questions)
     hard_seen = easy_seen = 0
@@ -97,3 +97,53 @@ def test_warm_start_accuracy_decodes_as_far_as_the_longest_solution(tmp_path, ti
     assert seen["needed"] > 24 and seen["budget"] >= seen["needed"], seen
     record = json.load(open(os.path.join(model, tiny_task.WARM_START_RECORD)))
     assert record["greedy_max_new_tokens"] == seen["budget"]
+
+
+def _keys(path):
+    out = []
+    for messages in read_prompt_file(path).messages:
+        a, op, b = re.fullmatch(r"Compute (\d+) ([+-]) (\d+)\.", messages[0]["content"]).groups()
+        out.append((int(a), op, int(b)))
+    return out
+
+
+def _class(key):  # commutativity of +, worked out here independently of the task module
+    a, op, b = key
+    return (op, frozenset((a, b)) if op == "+" else (a, b))
+
+
+def test_the_demo_task_splits_are_disjoint_modulo_commutativity_and_questions_recur(tmp_path):
+    """The demo's task: RL training, validation and warm-start corpus questions share no
+    symmetry class (no ``5 + 3`` in validation when ``3 + 5`` is trained or in the corpus),
+    and the quick demo's steps use every RL training question at least 3 times."""
+    from rlep_megatron.config import load_config
+    from rlep_megatron.data.sampler import PromptSampler
+    from rlep_megatron.demo import QUICK, TASK, examples_dir
+
+    paths = make_tiny_task(str(tmp_path), seed=0, **TASK)
+    train, val = _keys(paths["train"]), _keys(paths["val"])
+    corpus = set()
+    for question in corpus_by_question(paths["solutions"]):
+        a, op, b = re.fullmatch(r"Compute (\d+) ([+-]) (\d+)\.", question).groups()
+        corpus.add(_class((int(a), op, int(b))))
+    assert len(train) == TASK["num_rl_train"] and len(val) == TASK["num_val"]
+    assert len(corpus) > len(train)
+    train_classes, val_classes = {_class(k) for k in train}, {_class(k) for k in val}
+    assert len(train_classes) == len(train) and len(val_classes) == len(val)
+    assert not train_classes & val_classes
+    assert not corpus & val_classes and not corpus & train_classes
+    assert any(op == "+" for _, op, _ in val)  # the symmetry is there to be violated
+    # recurrence, through the trainer's own sampler and the recipe's batch size
+    cfg = load_config(os.path.join(examples_dir(), "tiny_cpu_baseline.yaml"))
+    sampler = PromptSampler(len(train), cfg.data.train_batch_size, seed=1,
+                            shuffle=cfg.data.shuffle, drop_last=cfg.data.drop_last)
+    uses = [0] * len(train)
+    for _ in range(QUICK["steps"]):
+        for row in sampler.next_global_batch():
+            uses[row] += 1
+    assert min(uses) >= 3, sorted(uses)[:5]
+
+
+def test_a_split_that_cannot_be_kept_apart_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="apart from the other splits modulo symmetry"):
+        make_tiny_task(str(tmp_path), seed=0, num_train=6, num_val=2, max_operand=1)
