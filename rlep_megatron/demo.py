@@ -1,16 +1,23 @@
-"""``rlep demo``: the paper's comparison in miniature on the tiny default (CPU, a few minutes).
+"""``rlep demo``: the paper's comparison in miniature on the tiny default (CPU, minutes).
 
 1. build the tiny task and the warm-started tiny model if missing (:data:`TASK`,
-   :data:`WARM_START`);
+   :data:`WARM_START`): RL training questions the warm start never saw, validation questions
+   disjoint from both modulo the task's symmetry;
 2. train the baseline (``examples/tiny_cpu_baseline.yaml``) once per seed;
-3. collect one experience pool from the first seed's baseline at its best validation step (the
-   paper: one baseline run, one pool);
-4. train RLEP (``examples/tiny_cpu_rlep.yaml``) from the same warm-started model with that pool,
-   with the same seeds as the baseline (no seed is picked or dropped);
-5. report both arms across seeds: validation mean@k and training accuracy curves as mean and
+3. collect one experience pool from the first seed's baseline at its final checkpoint (the
+   paper: one baseline run, its last checkpoint, one pool), keeping every correct sample;
+4. train each other arm from the same warm-started model with the same seeds (no seed is
+   picked or dropped): ``rlep`` (``examples/tiny_cpu_rlep.yaml``: M = 1 replay per group, on
+   the questions with a pool, mini-batches counted in prompts x G as the paper, so (G + M) / G
+   times the baseline's optimizer steps: 9 vs 8), optionally ``rlep_equal`` (the same with as
+   many optimizer steps as the baseline) and ``online`` (online experience replay from an
+   empty pool);
+5. report every arm across seeds: validation mean@k and training accuracy curves as mean and
    spread (min..max over seeds), best and final validation accuracy with their spread, the
-   steps each arm needs to reach the baseline's best mean, wall time per step. Printed as a
-   table, plotted to ``comparison.png`` and written to ``summary.json``.
+   optimizer steps per training step, the steps each arm needs to reach the baseline's best
+   mean, and per arm the paired differences to the baseline (same seed) with 95% intervals and
+   a verdict sentence. Printed as tables, plotted to ``comparison.png`` and written to
+   ``summary.json``.
 
 Each phase runs as its own process (under torchrun with ``--nproc`` > 1), exactly as a user
 would run ``rlep train`` / ``rlep collect``; a finished phase is not redone when the demo is
@@ -150,8 +157,11 @@ def summarise_arm(runs: list[dict[str, dict[int, float]]], target: Optional[floa
 # Paired statistics (RLEP minus baseline, the same training seed in both arms): per seed the
 # best and final validation accuracy, the area under the validation curve (its mean over the
 # validated steps, trapezoids) and the steps to two thresholds: the baseline's mean best, and
-# a level fixed by the protocol before any run, the step-0 accuracy + FIXED_GAIN.
-FIXED_GAIN = 0.10
+# a fixed level, the step-0 accuracy + FIXED_GAIN. (It was 10 points with the earlier task,
+# whose validation questions had their commutative twins in training; on the disjoint task the
+# baseline's best is about 3 points above step 0, so 10 points was reached by no run of any
+# arm and the row said nothing: 2 points, set from the baseline's runs.)
+FIXED_GAIN = 0.02
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -254,14 +264,18 @@ def paired_table(paired: dict, k: int, label: str = "RLEP") -> str:
         return (f"{scale * d['mean']:+.1f}{unit} "
                 f"[{scale * d['low']:+.1f}, {scale * d['high']:+.1f}]")
 
+    def steps(label: str) -> str:
+        reached = [r[arm][f"{label}_reached"] for r in paired["per_seed"]
+                   for arm in ("baseline", "rlep")]
+        return interval(d[label], 1, "") if any(reached) else "reached by no run"
+
     d = paired["differences"]
     rows = [(f"{label} - baseline, paired by seed", "mean [95% interval]"),
             (f"best validation mean@{k} (points)", interval(d["best"], 100, "")),
             (f"final validation mean@{k} (points)", interval(d["final"], 100, "")),
             ("area under the validation curve (points)", interval(d["auc"], 100, "")),
-            ("steps to the baseline's mean best", interval(d["to_best"], 1, "")),
-            (f"steps to step 0 + {100 * paired['fixed_gain']:.0f} points",
-             interval(d["to_fixed"], 1, ""))]
+            ("steps to the baseline's mean best", steps("to_best")),
+            (f"steps to step 0 + {100 * paired['fixed_gain']:.0f} points", steps("to_fixed"))]
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     unreached = sum(not r[arm][f"{label}_reached"] for r in paired["per_seed"]
@@ -319,7 +333,8 @@ def plot_comparison(summary: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     panels = [("val_band", f"validation mean@{summary['k']} (%)"),
-              ("train_band", "training accuracy: fresh rollouts correct (%)")]
+              ("train_band", "training accuracy: fresh rollouts correct (%)\n"
+                             "(offline RLEP arms: on the questions with a pool)")]
     for ax, (key, label) in zip(axes, panels):
         for arm in arm_order(summary):
             name = ARM_LABELS.get(arm, arm)

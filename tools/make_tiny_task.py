@@ -2,7 +2,7 @@
 train_solutions.jsonl; see rlep_megatron/tiny_task.py). Same arguments -> same files.
 
     python tools/make_tiny_task.py --out-dir outputs/tiny/task [--kind arith|max] [--seed 0] \
-        [--num-train 800] [--num-slips-easy 1 --num-slips-hard 2]
+        [--num-train 800] [--num-rl-train 128] [--num-slips-easy 1 --num-slips-hard 2]
 """
 import argparse
 import os
@@ -17,7 +17,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-train", type=int, default=800)
+    parser.add_argument("--num-train", type=int, default=800,
+                        help="questions of the warm-start corpus")
+    parser.add_argument("--num-rl-train", type=int, default=None,
+                        help="RL training questions of their own, apart from the corpus' "
+                             "(default: the corpus' questions)")
     parser.add_argument("--num-val", type=int, default=64)
     parser.add_argument("--max-operand", type=int, default=20, help="arith operands 0..N")
     parser.add_argument("--kind", choices=sorted(TASK_KINDS), default="arith")
@@ -29,7 +33,8 @@ def main() -> int:
     paths = make_tiny_task(args.out_dir, args.seed, args.num_train, args.num_val,
                            args.max_operand, kind=args.kind,
                            num_slips_easy=args.num_slips_easy,
-                           num_slips_hard=args.num_slips_hard)
+                           num_slips_hard=args.num_slips_hard,
+                           num_rl_train=args.num_rl_train)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

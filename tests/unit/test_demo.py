@@ -158,8 +158,9 @@ def test_paired_differences_area_and_verdict_worked_by_hand():
     to_best = paired["differences"]["to_best"]
     assert to_best["values"] == [-4, -8]
     assert not paired["per_seed"][1]["baseline"]["to_best_reached"]
-    # the fixed level: step 0 + 10 points (0.40 and 0.42)
-    assert [r["baseline"]["to_fixed"] for r in paired["per_seed"]] == [4, 8]
+    # the fixed level: step 0 + 2 points (0.32 and 0.34)
+    assert paired["fixed_gain"] == 0.02
+    assert [r["baseline"]["to_fixed"] for r in paired["per_seed"]] == [4, 4]
     assert [r["rlep"]["to_fixed"] for r in paired["per_seed"]] == [4, 4]
     sentence = verdict(paired)
     assert "3.0 points above" in sentence and "includes 0" in sentence
@@ -171,3 +172,8 @@ def test_paired_differences_area_and_verdict_worked_by_hand():
     better = [run({0: 0.3, 4: 0.6}, {1: 0.1}), run({0: 0.3, 4: 0.62}, {1: 0.1}),
               run({0: 0.3, 4: 0.605}, {1: 0.1})]
     assert "excludes 0" in verdict(paired_comparison(runs, better, 0.51))
+    # a level no run of either arm reaches has no steps to compare
+    flat = [run({0: 0.3, 4: 0.3}, {1: 0.1}), run({0: 0.3, 4: 0.31}, {1: 0.1})]
+    lines = paired_table(paired_comparison(flat, flat, 0.9), 8).splitlines()
+    assert lines[4].rstrip().endswith("reached by no run")
+    assert lines[5].rstrip().endswith("reached by no run")
