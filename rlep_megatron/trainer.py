@@ -203,6 +203,13 @@ class Trainer:
                 self.pool = ExperiencePool(offline)
                 if replay.pooled_questions_only:
                     kept = self.pool.pooled_rows(self.train_rows)
+                    if len(kept) < cfg.data.train_batch_size:
+                        raise ValueError(
+                            f"replay.pooled_questions_only keeps the {len(kept)} training rows "
+                            f"whose question has pool answers, fewer than one batch of "
+                            f"data.train_batch_size={cfg.data.train_batch_size}; collect a "
+                            "larger pool, lower the batch size or set "
+                            "replay.pooled_questions_only=false")
                     if len(kept) < len(self.train_rows):
                         logger.info("replay.pooled_questions_only: training on the %d of %d "
                                     "training rows whose question has pool answers",
