@@ -307,6 +307,7 @@ class Trainer:
         self.make_batch = (self._dynamic_batch if cfg.algo.dynamic_sampling
                            else self._plain_batch)
         self.add_replays = self._add_replays if self.replay_sampler else (lambda batch: None)
+        self._candidates: list = []  # online replay: the step's groups, admitted after it
         self.metrics = None
         if distributed.is_rank0():
             os.makedirs(cfg.trainer.output_dir, exist_ok=True)
@@ -407,6 +408,9 @@ class Trainer:
             self.add_replays(batch)
         with timer.phase("reward"):
             self.reward(batch)
+        if self.online_pool is not None:
+            # every round's groups, before dynamic sampling keeps some (or drops them all)
+            self._candidates += self._fresh_groups(batch)
         return batch
 
     def _plain_batch(self, timer: Timer) -> StepBatch:
@@ -457,20 +461,29 @@ class Trainer:
                 self.replay_sampler.record(self.train_rows.messages[batch.rows[seq.group]],
                                            seq.pool_index)
 
-    def _admit_online(self, batch: StepBatch) -> int:
-        """replay.mode online / both: the step's verified-correct fresh answers that ended by
-        themselves join their question's pool (after this step's replays were drawn)."""
-        if self.online_pool is None:
-            return 0
+    @staticmethod
+    def _fresh_groups(batch: StepBatch) -> list[tuple[int, list[str], list[bool], list[bool]]]:
+        """Per group of a generation round: its row, and its fresh answers' texts, whether the
+        reward verified each and whether each ended by itself (not cut at the budget)."""
         by_group: dict[int, list[Sample]] = {}
         for seq in batch.sequences:
             if seq.source == FRESH:
                 by_group.setdefault(seq.group, []).append(seq)
+        return [(batch.rows[group], [s.text for s in members], [s.acc for s in members],
+                 [s.finish_reason != "length" for s in members])
+                for group, members in sorted(by_group.items())]
+
+    def _admit_online(self) -> int:
+        """replay.mode online / both: the step's verified-correct fresh answers that ended by
+        themselves join their question's pool, after this step's replays were drawn; every
+        generation round counts (with dynamic sampling, the groups it dropped too)."""
+        if self.online_pool is None:
+            return 0
         admitted = 0
-        for group, members in sorted(by_group.items()):
-            admitted += self.online_pool.admit(
-                self.train_rows.messages[batch.rows[group]], [s.text for s in members],
-                [s.acc and s.finish_reason != "length" for s in members], self.step)
+        for row, texts, correct, ended in self._candidates:
+            admitted += self.online_pool.admit(self.train_rows.messages[row], texts, correct,
+                                               self.step, ended=ended)
+        self._candidates = []
         return admitted
 
     def _seed(self, round_index: int) -> int:
@@ -717,7 +730,7 @@ class Trainer:
         step_start = time.perf_counter()
         batch = self.make_batch(timer)
         self._count_replays(batch)
-        admitted = self._admit_online(batch)
+        admitted = self._admit_online()
         with timer.phase("advantage"):
             self.advantage(batch)
         plan = self.mini_batches(batch)

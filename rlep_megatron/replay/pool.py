@@ -99,17 +99,20 @@ class OnlinePool(ExperiencePool):
         return self.offline_counts.get(key, 0)
 
     def admit(self, messages: Sequence[dict], texts: Sequence[str], correct: Sequence[bool],
-              step: int) -> int:
-        """Record one group's fresh answers (sampled at ``step``): its pass rate, and its
-        correct non-empty texts as the newest online answers (the oldest beyond the cap
+              step: int, ended: Optional[Sequence[bool]] = None) -> int:
+        """Record one group's fresh answers (sampled at ``step``): its pass rate (the share
+        verified correct), and its correct non-empty texts that ended by themselves
+        (``ended``, default all) as the newest online answers (the oldest beyond the cap
         leave). Returns the number admitted."""
-        if len(texts) != len(correct):
-            raise ValueError("admit needs one correctness flag per text")
+        ended = [True] * len(texts) if ended is None else list(ended)
+        if not len(texts) == len(correct) == len(ended):
+            raise ValueError("admit needs one correctness flag and one end flag per text")
         if not texts:
             return 0
         key = prompt_key(messages)
         self.pass_rate[key] = sum(map(bool, correct)) / len(correct)
-        new = [text for text, ok in zip(texts, correct) if ok and text and text.strip()]
+        new = [text for text, ok, end in zip(texts, correct, ended)
+               if ok and end and text and text.strip()]
         if not new:
             return 0
         offline = self.num_offline(key)

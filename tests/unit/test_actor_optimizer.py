@@ -217,7 +217,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
         cfg=cfg, engine=engine, optimizer=optimizer, chunks=[], checkpoints=checkpoints,
         streamer=streamer, offload_train_state=True, _train_state_offloaded=True, step=0,
         metrics=None, val_rows=None, make_batch=make_batch,
-        _count_replays=lambda b: None, _admit_online=lambda b: 0, online_pool=None, pool=None,
+        _count_replays=lambda b: None, _admit_online=lambda: 0, online_pool=None, pool=None,
         advantage=lambda b: None, mini_batches=lambda b: [],
         old_logprob=lambda b, plan: (calls.append("old log-probs") or ([], {})),
         train=lambda tb: (calls.append("train") or {}), step_metrics=lambda b, t, o: {},

@@ -126,6 +126,10 @@ def test_arms_and_their_optimizer_steps_follow_the_protocol():
         cfg = load_config(recipe, extra)
         group = cfg.rollout.num_samples_per_prompt + cfg.replay.num_replays_per_prompt
         steps[arm] = len(mini_batch_plan(cfg.data.train_batch_size * group, cfg))
+    # the equal-updates arm follows the user's G and mini-batch (overrides of every arm)
+    user = ["rollout.num_samples_per_prompt=4", "trainer.mini_batch_size=3"]
+    _, extra = arm_settings("rlep_equal", examples_dir(), "pool.parquet", user)
+    assert "trainer.mini_batch_size=15" in extra  # 3 prompts x (4 + 1)
     g = load_config(arm_settings("rlep", examples_dir(), "p")[0]).rollout.num_samples_per_prompt
     assert steps["baseline"] == steps["rlep_equal"] == 8
     assert steps["online"] == steps["rlep"]  # once every group has online answers

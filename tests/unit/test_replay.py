@@ -201,6 +201,9 @@ def test_online_pool_history_worked_by_hand():
     assert [pool.age(msg(0), i, step=5) for i in range(3)] == [5, 3, 3]
     # a failed group: nothing admitted, its pass rate recorded
     assert pool.admit(msg(0), ["z"], [False], step=3) == 0 and pool.pass_rate[key0] == 0.0
+    # a correct answer cut at the response budget counts as a pass but is not admitted
+    assert pool.admit(msg(0), ["cut", "w"], [True, False], step=3, ended=[False, True]) == 0
+    assert pool.pass_rate[key0] == 0.5 and pool.get(msg(0)) == ["b", "c", "d"]
     # mode both: the offline answers stay first and are not capped or aged
     assert pool.admit(msg(1), ["e", "f", "g", "h"], [True] * 4, step=4) == 4
     assert pool.get(msg(1)) == ["off", "f", "g", "h"]

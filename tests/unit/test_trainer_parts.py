@@ -102,3 +102,33 @@ def test_dynamic_sampling_stops_or_trains_on_a_partial_batch_when_rounds_run_out
                                              "algo.dynamic_sampling_partial_batch=true"])
     with pytest.raises(RuntimeError, match="kept 0 of 3 groups in 2 rounds"):
         Trainer._dynamic_batch(stub, timer=None)
+
+
+def test_online_admission_takes_every_generation_round_after_the_step():
+    """replay.mode online: the groups of every round (dynamic sampling may drop some from the
+    batch) are admitted once, after the step's replays were drawn, with their end flags."""
+    import types
+
+    from rlep_megatron.data.schema import prompt_key
+    from rlep_megatron.replay import OnlinePool
+    from rlep_megatron.trainer import FRESH, REPLAY, Sample, StepBatch, Trainer
+
+    messages = [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    rounds = []
+    for rows, answers in (([0, 1], [("a", True, "stop"), ("x", False, "stop"),
+                                    ("b", True, "length"), ("c", True, "stop")]),
+                          ([2], [("d", True, "stop"), ("e", True, "stop")])):
+        batch = StepBatch(rows=rows, prompts=[[1]] * len(rows))
+        for i, (text, ok, finish) in enumerate(answers):
+            batch.sequences.append(Sample(i * len(rows) // len(answers), [1], text, FRESH,
+                                          finish_reason=finish, acc=ok))
+        batch.sequences.append(Sample(0, [1], "replayed", REPLAY, acc=True))  # never admitted
+        rounds += Trainer._fresh_groups(batch)
+    pool = OnlinePool({}, answers_per_question=4)
+    trainer = types.SimpleNamespace(online_pool=pool, _candidates=rounds, step=7,
+                                    train_rows=types.SimpleNamespace(messages=messages))
+    assert Trainer._admit_online(trainer) == 4  # a, c, d, e
+    assert pool.get(messages[0]) == ["a"] and pool.get(messages[1]) == ["c"]
+    assert pool.get(messages[2]) == ["d", "e"] and pool.born[prompt_key(messages[2])] == [7, 7]
+    assert pool.pass_rate[prompt_key(messages[1])] == 1.0  # "b" passed, cut at the budget
+    assert trainer._candidates == []
