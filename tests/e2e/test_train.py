@@ -220,9 +220,11 @@ def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_d
         assert entry["rollout/logprob_abs_diff"] <= 1e-4
     assert a[3]["train/grad_norm"] > 0
     if online:
-        # answers are admitted (capped at 2 per question), the pool grows past the offline
-        # one (48 questions x 2), and later steps replay online answers of earlier steps
-        assert all(e["replay/online_admitted"] > 0 for e in a[1:])
+        # answers are admitted (capped at 2 per question; most of the untrained model's answers
+        # are cut at the budget and never admitted, so a step may admit none), the pool grows
+        # past the offline one (48 questions x 2), and later steps replay online answers of
+        # earlier steps
+        assert a[1]["replay/online_admitted"] > 0
         online_answers = [e["replay/online_answers"] for e in a[1:]]
         assert 0 < online_answers[0] <= online_answers[-1] <= 2 * 4
         assert [e["replay/pool_answers"] for e in a[1:]] == [96 + n for n in online_answers]
