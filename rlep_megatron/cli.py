@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
     p_demo.add_argument("--log-all-ranks", action="store_true")
     p_demo.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="overrides applied to both training runs")
+                        help="overrides applied to every run of every arm")
     p_demo.set_defaults(func=_cmd_demo)
     return parser
 
