@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 # the figures over warm-start seeds and thread counts.
 TASK = {"kind": "arith", "num_train": 3000, "num_rl_train": 128, "num_val": 64, "max_operand": 49,
         "num_slips_easy": 1, "num_slips_hard": 2}
-# 2500 supervised steps (about 3.5 minutes on 2 cores).
+# 2500 supervised steps (4 to 5 minutes on 2 cores).
 WARM_START = {"steps": 2500, "lr": 3e-3, "batch_size": 32}
 QUICK = {"seeds": 4, "steps": 30}
 LONG = {"seeds": 8, "steps": 60}
@@ -475,6 +475,13 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     if os.path.isfile(pool):
         with open(os.path.splitext(pool)[0] + ".stats.json") as f:
             summary["pool"] = json.load(f)
+        # a pool left by a demo of another length (say a quick one before --long) came from
+        # another checkpoint: refused rather than reported as this run's
+        if summary["pool"].get("checkpoint") != os.path.relpath(source, out_dir):
+            raise FileExistsError(f"{pool} was collected from {summary['pool'].get('checkpoint')}"
+                                  f", not from this demo's final baseline checkpoint "
+                                  f"{os.path.relpath(source, out_dir)}; remove it (and its "
+                                  "rlep runs) or give another --out-dir")
         summary["pool"]["source_step"] = steps
         print(f"pool: {summary['pool']['questions']} of {summary['pool']['training_questions']}"
               f" training questions, {summary['pool']['answers']} answers, from baseline seed "

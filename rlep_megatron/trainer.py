@@ -184,23 +184,23 @@ class Trainer:
         self.pool = None
         replay = cfg.replay
         if replay.num_replays_per_prompt > 0:
-            offline: dict[str, list[str]] = {}
+            offline = ExperiencePool({})
             if replay.mode != "online":
                 if replay.pool_files:
                     pool_rows = read_prompt_files(replay.pool_files)
                     source = ", ".join(replay.pool_files)
                 else:
                     pool_rows, source = self.train_rows, "the training files"
-                offline = ExperiencePool.from_rows(pool_rows).answers
-                if not offline:
+                offline = ExperiencePool.from_rows(pool_rows)
+                if len(offline) == 0:
                     raise ValueError(f"replay.num_replays_per_prompt="
                                      f"{replay.num_replays_per_prompt} but {source} hold no "
                                      "reward_model.candidates; give replay.pool_files (an "
                                      "`rlep collect` output), use replay.mode=online or set "
                                      "replay.num_replays_per_prompt=0")
-                ExperiencePool(offline).check_matches(self.train_rows, source)
+                offline.check_matches(self.train_rows, source)
             if replay.mode == "offline":
-                self.pool = ExperiencePool(offline)
+                self.pool = offline
                 if replay.pooled_questions_only:
                     kept = self.pool.pooled_rows(self.train_rows)
                     if len(kept) < cfg.data.train_batch_size:
@@ -216,7 +216,7 @@ class Trainer:
                                     len(kept), len(self.train_rows))
                         self.train_rows = self.train_rows.select(kept)
             else:
-                self.pool = OnlinePool(offline, replay.online_answers_per_question)
+                self.pool = OnlinePool(offline.answers, replay.online_answers_per_question)
 
     def _build_parallel_and_models(self) -> None:
         from rlep_megatron.actor.model import build_from_hf
@@ -308,6 +308,7 @@ class Trainer:
                            else self._plain_batch)
         self.add_replays = self._add_replays if self.replay_sampler else (lambda batch: None)
         self._candidates: list = []  # online replay: the step's groups, admitted after it
+        self._admitted = 0  # online replay: answers admitted by the current step
         self.metrics = None
         if distributed.is_rank0():
             os.makedirs(cfg.trainer.output_dir, exist_ok=True)
@@ -713,6 +714,12 @@ class Trainer:
         if self.replay_sampler is not None:
             m.update({f"replay/{k}": v
                       for k, v in self.replay_sampler.replay_counts_summary().items()})
+            m["replay/pool_questions"] = float(len(self.pool))
+            m["replay/pool_answers"] = float(sum(map(len, self.pool.answers.values())))
+        if self.online_pool is not None:
+            m["replay/online_admitted"] = float(self._admitted)
+            m["replay/online_answers"] = float(self.online_pool.num_online_answers())
+            m["replay/online_age_mean"] = _mean(s.age for s in replay if s.age is not None)
         m.update(old)
         for key, value in train.items():
             # the router losses are MoE metrics (moe/aux_loss, moe/z_loss), not under train/
@@ -730,7 +737,7 @@ class Trainer:
         step_start = time.perf_counter()
         batch = self.make_batch(timer)
         self._count_replays(batch)
-        admitted = self._admit_online()
+        self._admitted = self._admit_online()
         with timer.phase("advantage"):
             self.advantage(batch)
         plan = self.mini_batches(batch)
@@ -747,15 +754,6 @@ class Trainer:
             self.weight_sync()
         self.step += 1
         metrics = self.step_metrics(batch, train, old_metrics)
-        if self.online_pool is not None:
-            ages = [s.age for s in batch.sequences if s.age is not None]
-            metrics.update({
-                "replay/online_admitted": float(admitted),
-                "replay/online_answers": float(self.online_pool.num_online_answers()),
-                "replay/online_age_mean": _mean(ages)})
-        if self.pool is not None:
-            metrics["replay/pool_questions"] = float(len(self.pool))
-            metrics["replay/pool_answers"] = float(sum(map(len, self.pool.answers.values())))
         metrics.update(timer.values)
         metrics["timing/step_s"] = time.perf_counter() - step_start
         metrics.update(_throughput(batch, timer.values))
