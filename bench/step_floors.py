@@ -6,7 +6,10 @@
 Per step (the trainer's own objects and phases, one process, TP1):
 
 * rollout: the trainer's rollout phase next to a raw ``LLM.generate`` of the same requests with
-  the same sampling parameters on the same engine, with the per-request seeds and without;
+  the same sampling parameters on the same engine, with the per-request seeds and without, and
+  next to transformers' ``generate`` of the same prompts (left-padded into one batch, the same
+  temperature / top-p / top-k, ``n`` samples each, up to the same response budget) on the
+  run's model with the actor's current weights;
 * old_logprob: the trainer's pass (old log-probs of every mini-batch) next to a plain
   transformers forward of the same sequences in the same dtype, padded micro-batches of the
   same token budget, with the same log-softmax gather;
@@ -16,8 +19,10 @@ Per step (the trainer's own objects and phases, one process, TP1):
   preallocated buffer);
 * the padding fraction of the trained token slots (``train/padding_frac``).
 
-Medians over ``--steps`` steps after ``--warmup``; the table prints seconds, floor and ratio.
-Timings are only comparable within one run on a shared machine.
+Medians over ``--steps`` steps after ``--warmup``; the table prints seconds, floor and ratio,
+and a plain transformers step (its generate, forward and train phases) against the trainer's
+whole step, with the tokens each side generated. The CPU and torch's thread count are printed
+with it. Timings are only comparable within one run on a shared machine.
 """
 import argparse
 import os
@@ -47,6 +52,49 @@ def raw_generate(trainer, prompts, seed, seeded: bool) -> float:
     requests = [{"prompt_token_ids": list(p)} for p in prompts]
     _, seconds = _timed(lambda: engine.llm.generate(requests, params, use_tqdm=False))
     return seconds
+
+
+def plain_generate(model, prompts, cfg, pad_id: int, eos_id: int) -> tuple[float, int]:
+    """transformers' ``generate`` of the rollout's prompts in one left-padded batch with the
+    rollout's sampling settings; returns (seconds, response tokens generated up to each EOS)."""
+    import torch
+
+    n = cfg.num_samples_per_prompt
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(list(prompt))
+        attention[i, width - len(prompt):] = 1
+    options = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p,
+                   top_k=cfg.top_k if cfg.top_k > 0 else 0, num_return_sequences=n,
+                   max_new_tokens=cfg.max_response_tokens, pad_token_id=pad_id,
+                   eos_token_id=eos_id)
+    device = model.device
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
+                             **options)
+    seconds = time.perf_counter() - start
+    responses = out[:, width:].cpu()
+    # tokens through the first EOS (the rest is padding after a row finished)
+    ended = (responses == eos_id).int()
+    first = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0],
+                                                                           responses.shape[1]))
+    return seconds, int(first.sum())
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown CPU"
 
 
 def plain_model(trainer):
@@ -154,6 +202,9 @@ def main() -> None:
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.optim.lr,
                                         weight_decay=cfg.optim.weight_decay)
     budget, temperature = cfg.trainer.micro_batch_max_tokens, cfg.rollout.temperature
+    eos_id = trainer.engine.eos_token_id
+    pad_id = eos_id if getattr(plain.config, "pad_token_id", None) is None \
+        else plain.config.pad_token_id
     rows: dict[str, list[float]] = {}
     padding: list[float] = []
     for step in range(args.warmup + args.steps):
@@ -162,6 +213,10 @@ def main() -> None:
         batch, rollout_s = _timed(lambda: trainer.rollout(batch_rows, seed))
         seeded = raw_generate(trainer, batch.prompts, seed, seeded=True)
         unseeded = raw_generate(trainer, batch.prompts, seed, seeded=False)
+        generated = float(batch.generated_tokens)
+        plain.load_state_dict({name: tensor for name, tensor in
+                               trainer.streamer.iter_tensors()}, strict=False)
+        hf_gen, hf_tokens = plain_generate(plain, batch.prompts, cfg.rollout, pad_id, eos_id)
         trainer.add_replays(batch)
         trainer.reward(batch)
         trainer.advantage(batch)
@@ -177,8 +232,13 @@ def main() -> None:
         trainer.step += 1
         if step < args.warmup:
             continue
+        step_s = rollout_s + old_s + train_s + sync_s
         for name, value in (("rollout", rollout_s), ("rollout/raw_seeded", seeded),
-                            ("rollout/raw_unseeded", unseeded), ("old_logprob", old_s),
+                            ("rollout/raw_unseeded", unseeded), ("rollout/transformers", hf_gen),
+                            ("tokens/ours", generated), ("tokens/transformers", hf_tokens),
+                            ("step", step_s),
+                            ("step/plain", hf_gen + old_floor + train_floor),
+                            ("old_logprob", old_s),
                             ("old_logprob/floor", old_floor), ("train", train_s),
                             ("train/floor", train_floor), ("weight_sync", sync_s),
                             ("weight_sync/floor", sync_floor)):
@@ -187,18 +247,25 @@ def main() -> None:
     trainer.close()
 
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"\n{args.steps} steps (median), "
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} torch threads")
+    print(f"{args.steps} steps (median), "
           f"packing={getattr(cfg.trainer, 'sequence_packing', 'n/a')}, "
           f"padding fraction of trained slots {statistics.median(padding):.3f}")
     print(f"{'phase':<14}{'seconds':>10}{'floor':>10}{'ratio':>8}  floor is")
     for phase, floor, what in (
             ("rollout", "rollout/raw_seeded", "raw LLM.generate, same seeded requests"),
             ("rollout", "rollout/raw_unseeded", "raw LLM.generate, unseeded"),
+            ("rollout", "rollout/transformers", "transformers generate, same sampling"),
             ("old_logprob", "old_logprob/floor", "transformers forward, padded"),
             ("train", "train/floor", "transformers fwd+bwd + AdamW, padded"),
             ("weight_sync", "weight_sync/floor", "copy of the parameters' bytes")):
         print(f"{phase:<14}{med[phase]:>10.3f}{med[floor]:>10.3f}"
               f"{med[phase] / max(med[floor], 1e-9):>8.2f}  {what}")
+    print(f"{'step':<14}{med['step']:>10.3f}{med['step/plain']:>10.3f}"
+          f"{med['step'] / max(med['step/plain'], 1e-9):>8.2f}  plain transformers step "
+          f"(generate + forward + fwd/bwd/AdamW); ours incl. weight sync")
+    print(f"response tokens generated per step (median): ours {med['tokens/ours']:.0f}, "
+          f"transformers {med['tokens/transformers']:.0f}")
     from rlep_megatron import distributed
 
     distributed.destroy()

@@ -493,42 +493,46 @@ class Trainer:
     def mini_batches(self, batch: StepBatch) -> list[list[int]]:
         return mini_batch_plan(len(batch.sequences), self.cfg)
 
-    def _train_batch(self, batch: StepBatch, indices: list[int], load):
-        """This DP rank's slice of a mini-batch, with old log-probs from the current actor (and
-        the reference's, with a KL term), plus this slice's sums and maxima for the step's
-        metrics (reduced over DP ranks by :meth:`old_logprob`). ``load`` counts the MoE
-        routing of the old-log-prob pass (:mod:`rlep_megatron.actor.expert_load`)."""
-        from rlep_megatron.actor.train_step import TrainBatch
-        from rlep_megatron.algo import mismatch_kl, rollout_correction_weights, rollout_loss_mask
+    def _old_logprob_pass(self, batch: StepBatch, plan: list[list[int]], load):
+        """One forward pass of the actor (and of the reference, with a KL term) over this DP
+        rank's sequences of every mini-batch of the step (micro-batches by the token budget
+        across mini-batches, not one pass per mini-batch: fewer, fuller micro-batches); yields
+        per mini-batch its sequences, ``(ids, mask, old, ref, routing)`` cut to its rows and
+        columns, and whether it is a placeholder. ``load`` counts the MoE routing of the pass
+        (:mod:`rlep_megatron.actor.expert_load`), placeholder rows left out."""
         from rlep_megatron.actor.forward import actor_logprobs
-        from rlep_megatron.rollout.parity import logprob_abs_diff
 
-        algo = self.cfg.algo
         dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
-        # split across DP ranks by token count, so that no rank waits on the longest sequences
-        sizes = [batch.length(batch.sequences[i]) for i in indices]
-        mine = [indices[j] for j in balanced_partition(sizes, dp)[dp_rank]]
-        # a mini-batch with fewer sequences than DP ranks leaves some ranks none: they still
-        # take part in every collective, with one fully masked row (no loss, no gradient)
-        placeholder = not mine
-        seqs = [batch.sequences[i] for i in (mine or indices[:1])]
-        starts = [len(batch.prompts[s.group]) for s in seqs]
+        parts, seqs = [], []
+        for indices in plan:
+            # split across DP ranks by token count, so that no rank waits on the longest
+            # sequences
+            sizes = [batch.length(batch.sequences[i]) for i in indices]
+            mine = [indices[j] for j in balanced_partition(sizes, dp)[dp_rank]]
+            # a mini-batch with fewer sequences than DP ranks leaves some ranks none: they
+            # still take part in every collective, with one fully masked row (no loss, no
+            # gradient)
+            chosen = [batch.sequences[i] for i in (mine or indices[:1])]
+            parts.append((len(seqs), chosen, not mine))
+            seqs += chosen
         ids, mask = training_rows([batch.prompts[s.group] for s in seqs],
                                   [s.token_ids for s in seqs], self.pad_id)
-        if placeholder:
-            mask.zero_()
+        lengths = torch.tensor([batch.length(s) for s in seqs])
+        placeholders = [row for start, chosen, placeholder in parts if placeholder
+                        for row in range(start, start + len(chosen))]
+        mask[placeholders] = 0.0
         budget = self.cfg.trainer.micro_batch_max_tokens
         micro = max(1, budget // max(1, ids.shape[1]))
-        batching = {"lengths": torch.tensor([batch.length(s) for s in seqs]),
+        batching = {"lengths": lengths,
                     "pack_max_tokens": budget if self.cfg.trainer.sequence_packing else None}
         temperature = self.cfg.rollout.temperature
-        load.enabled = not placeholder  # a placeholder row is not routed for real
+        load.skip_rows = torch.tensor(placeholders, dtype=torch.long)  # not routed for real
         recording = (self.routing_replay.recording(*ids.shape) if self.routing_replay
                      else contextlib.nullcontext())
         with recording as routing:  # algo.routing_replay=actor: the experts of this pass
             old = actor_logprobs(self.chunks, self.info, ids, micro, temperature,
                                  everywhere=False, **batching)
-        load.enabled = True
+        load.skip_rows = None
         ref = (self.reference.logprobs(ids, micro, temperature, **batching)
                if self.reference is not None else None)
         if old is None:
@@ -536,6 +540,26 @@ class Trainer:
             # metrics below live on the last stage (old_logprob broadcasts the metrics)
             old = torch.zeros(ids.shape)
             ref = old if self.reference is not None else None
+        for start, chosen, placeholder in parts:
+            rows = slice(start, start + len(chosen))
+            width = int(lengths[rows].max())  # the columns of this mini-batch's longest row
+            yield chosen, placeholder, (
+                ids[rows, :width], mask[rows, :width], old[rows, :width],
+                None if ref is None else ref[rows, :width],
+                None if routing is None else {layer: experts[rows, :width]
+                                              for layer, experts in routing.items()})
+
+    def _train_batch(self, seqs: list[Sample], placeholder: bool, tensors, prompt_lengths):
+        """A mini-batch's slice on this DP rank as the actor trains it, with the old
+        log-probs of :meth:`_old_logprob_pass`, plus this slice's sums and maxima for the
+        step's metrics (reduced over DP ranks by :meth:`old_logprob`)."""
+        from rlep_megatron.actor.train_step import TrainBatch
+        from rlep_megatron.algo import mismatch_kl, rollout_correction_weights, rollout_loss_mask
+        from rlep_megatron.rollout.parity import logprob_abs_diff
+
+        algo = self.cfg.algo
+        ids, mask, old, ref, routing = tensors
+        starts = prompt_lengths
         # the engine's log-probs of fresh tokens, aligned with the actor's columns
         fresh = [row for row, s in enumerate(seqs)
                  if s.source == FRESH and s.engine_logprobs and not placeholder]
@@ -586,7 +610,9 @@ class Trainer:
 
         # a mixture-of-experts actor: how evenly the old-log-prob pass routes the step's tokens
         with ExpertLoad(self.chunks) as load:
-            parts = [self._train_batch(batch, indices, load) for indices in plan]
+            parts = [self._train_batch(seqs, placeholder, tensors,
+                                       [len(batch.prompts[s.group]) for s in seqs])
+                     for seqs, placeholder, tensors in self._old_logprob_pass(batch, plan, load)]
         dp_group = ps.get_data_parallel_group()
         sums = distributed.reduce_values({k: sum(p[1][k] for p in parts) for k in parts[0][1]},
                                          "sum", dp_group)

@@ -40,7 +40,8 @@ class ExpertLoad:
         self.counts = torch.zeros(self.num_layers, max(self.num_experts, 1), dtype=torch.float64,
                                   device=device)
         self.valid: Optional[torch.Tensor] = None
-        self.enabled = True
+        self.skip_rows: Optional[torch.Tensor] = None
+        """Rows of the pass not to count (placeholder rows), or ``None``."""
         self._handles: list = []
 
     def __enter__(self) -> "ExpertLoad":
@@ -58,8 +59,6 @@ class ExpertLoad:
     def _hook(self, layer: int):
         def count(_module, _inputs, output):
             routing_map = output[1]
-            if not self.enabled:
-                return
             if self.valid is not None:
                 if self.valid.numel() != routing_map.shape[0]:
                     raise RuntimeError(f"expert load: {self.valid.numel()} token flags for "

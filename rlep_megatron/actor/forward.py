@@ -27,15 +27,18 @@ def pad_sequences(sequences: list[list[int]], pad_id: int = 0) -> tuple[torch.Te
     return ids, lengths
 
 
-def micro_batches(input_ids: torch.Tensor, groups: list[list[int]], num_rows: int = 0
-                  ) -> list[dict]:
+def micro_batches(input_ids: torch.Tensor, groups: list[list[int]], num_rows: int = 0,
+                  widths: Optional[list[int]] = None) -> list[dict]:
     """Micro-batches of the given rows, padded with copies of their first row up to
-    ``num_rows`` (fixed shapes; the caller drops the padded rows' results)."""
+    ``num_rows`` (fixed shapes; the caller drops the padded rows' results); each cut to its
+    entry of ``widths`` columns when given (default: every column)."""
     positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
     out = []
-    for rows in groups:
+    for i, rows in enumerate(groups):
+        width = input_ids.shape[1] if widths is None else widths[i]
         index = torch.tensor(list(rows) + [rows[0]] * max(0, num_rows - len(rows)))
-        out.append({"input_ids": input_ids[index], "position_ids": positions.expand(len(index), -1),
+        out.append({"input_ids": input_ids[index, :width],
+                    "position_ids": positions[:, :width].expand(len(index), -1),
                     "num_rows": len(rows)})
     return out
 
@@ -126,15 +129,19 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
     else:
         groups = fit_to_schedule([list(range(i, min(i + micro_batch_size, n)))
                                   for i in range(0, n, micro_batch_size)], chunks)
-        # the interleaved schedule needs micro-batches of one shape (see train_step)
-        batches = micro_batches(input_ids, groups,
-                                num_rows=max(len(g) for g in groups) if interleaved else 0)
         row_lengths = (torch.full((n,), seq_len, dtype=torch.long) if lengths is None
                        else lengths.to(torch.long))
-        for batch, rows in zip(batches, groups):
+        # the interleaved schedule needs micro-batches of one shape (see train_step); the
+        # others are cut to their longest row
+        widths = ([seq_len] * len(groups) if interleaved
+                  else [int(row_lengths[g].max()) for g in groups])
+        batches = micro_batches(input_ids, groups,
+                                num_rows=max(len(g) for g in groups) if interleaved else 0,
+                                widths=widths)
+        for batch, rows, width in zip(batches, groups, widths):
             batch.update(packing.padded_places(rows, batch["input_ids"].shape[0], row_lengths,
-                                               seq_len))
-        shape = {"seq_length": seq_len, "micro_batch_size": max(len(g) for g in groups)}
+                                               width))
+        shape = {"seq_length": max(widths), "micro_batch_size": max(len(g) for g in groups)}
 
     # results of micro-batches past len(groups) (fillers) are not read
     batches = match_expert_parallel_count(batches, chunks, _no_ones(batches[0]))

@@ -56,7 +56,11 @@ def note_micro_batch(batch: dict, config) -> None:
         return
     rows = router_order(batch["route_rows"], config, -1)
     if _EXPERT_LOAD is not None:
-        _EXPERT_LOAD.valid = rows >= 0
+        valid = rows >= 0
+        skip = getattr(_EXPERT_LOAD, "skip_rows", None)
+        if skip is not None and skip.numel():
+            valid &= ~torch.isin(rows, skip.to(rows.device))
+        _EXPERT_LOAD.valid = valid
     if _REPLAY is not None:
         _REPLAY.places = (rows.cpu(), router_order(batch["route_cols"], config, -1).cpu())
 

@@ -219,8 +219,8 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                 ref_logp=mb.get("ref_logp"), kl_coef=algo.kl_coef,
                 kl_estimator=algo.kl_estimator, kl_clamp=algo.kl_clamp, entropy=entropy,
                 entropy_coef=algo.entropy_coef, token_weights=mb.get("token_weights"),
-                replay_clip_high=replay_clip_high)
-            metrics["entropy_sum"] = float((entropy.detach() * mb["response_mask"]).sum())
+                replay_clip_high=replay_clip_high, metrics_on_device=True)
+            metrics["entropy_sum"] = (entropy.detach() * mb["response_mask"]).sum()
             return loss * compensation, metrics
 
         return output, loss_func
@@ -274,16 +274,23 @@ def _reduce_metrics(outputs: list[dict], is_last_stage: bool,
 
     token_means = _TOKEN_MEANS + (_KL_MEANS if with_kl else ())
     keys = _SUMMED + token_means
-    sums = torch.zeros(len(keys), dtype=torch.float64)
     max_keys = tuple(f"ratio_max{suffix}" for suffix in _SPLITS)
-    ratio_max = torch.zeros(len(max_keys), dtype=torch.float64)
-    if is_last_stage:
-        for out in outputs:
-            for i, key in enumerate(keys):
-                weight = 1.0 if key in _SUMMED else out.get(_token_count_key(key), 0.0)
-                sums[i] += out.get(key, 0.0) * weight
-            for i, key in enumerate(max_keys):
-                ratio_max[i] = max(float(ratio_max[i]), out.get(key, 0.0))
+    packed = torch.zeros(len(keys) + len(max_keys), dtype=torch.float64)
+    if is_last_stage and outputs:
+        # the micro-batches' metrics are tensors where the loss lives: weighted and summed
+        # there, then read in one transfer
+        zero = torch.zeros((), dtype=torch.float64, device=outputs[0]["pg_loss"].device)
+
+        def value(out, key):
+            return out[key].to(torch.float64) if key in out else zero
+
+        rows = [torch.stack([value(out, key) * (1.0 if key in _SUMMED else
+                                                value(out, _token_count_key(key)))
+                             for key in keys]) for out in outputs]
+        maxima = [torch.stack([value(out, key) for key in max_keys]) for out in outputs]
+        packed = torch.cat([torch.stack(rows).sum(0),
+                            torch.stack(maxima).max(0).values.clamp(min=0.0)]).cpu()
+    sums, ratio_max = packed[:len(keys)].clone(), packed[len(keys):].clone()
     dp_group = ps.get_data_parallel_group()
     distributed.all_reduce(sums, "sum", dp_group)
     distributed.all_reduce(ratio_max, "max", dp_group)

@@ -31,10 +31,11 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str,
                global_num_tokens: Optional[float],
                global_num_sequences: Optional[float]) -> torch.Tensor:
     if loss_agg_mode == "global_token_mean":
-        denominator = mask.sum() if global_num_tokens is None else global_num_tokens
-        if float(denominator) <= 0:
+        if global_num_tokens is None:  # this micro-batch's count; 0 / 1 when it has none
+            return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        if global_num_tokens <= 0:
             return (per_token * mask).sum() * 0.0
-        return (per_token * mask).sum() / denominator
+        return (per_token * mask).sum() / global_num_tokens
     if loss_agg_mode == "reference_micro_batch_mean":
         weight = 1.0 if global_num_sequences is None else mask.shape[0] / global_num_sequences
         return _masked_mean(per_token, mask) * weight
@@ -94,8 +95,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 kl_estimator: str = "k3", kl_clamp: Optional[float] = None,
                 entropy: Optional[torch.Tensor] = None, entropy_coef: float = 0.0,
                 token_weights: Optional[torch.Tensor] = None,
-                replay_clip_high: Optional[float] = None
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                replay_clip_high: Optional[float] = None, metrics_on_device: bool = False
+                ) -> tuple[torch.Tensor, dict]:
     """Clipped policy-gradient loss of one micro-batch.
 
     Args:
@@ -121,9 +122,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             through them, and the normaliser is unchanged (a weight-0 token counts as 0).
         replay_clip_high: eps_high for replayed rows instead of ``clip_high`` (needs
             ``is_replay``); ``None`` treats replays like fresh responses.
+        metrics_on_device: return the metrics as detached 0-dim float32 tensors where the loss
+            lives (float64 for float64 inputs), read by nobody here: the caller reduces them over micro-batches and reads
+            them once (the actor's step makes one device-to-host transfer for its metrics);
+            off, they are read here into floats, also in one transfer.
 
     Returns:
-        ``(loss, metrics)``: the scalar loss to backpropagate and float metrics computed over
+        ``(loss, metrics)``: the scalar loss to backpropagate and the metrics computed over
         the valid tokens of this micro-batch (``num_tokens`` weights them when averaging).
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
@@ -186,19 +191,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         if ref_logp is not None:
             for estimator in KL_ESTIMATORS:
                 flags[f"kl_{estimator}"] = kl_penalty(logp.detach(), ref_logp, estimator)
-        metrics = {"pg_loss": float(pg_loss.detach())}
+        metrics = {"pg_loss": pg_loss.detach()}
         if kl_value is not None:
-            metrics["kl"] = float(kl_value.detach())
+            metrics["kl"] = kl_value.detach()
         groups = {"": mask}
         if is_replay is not None:
             replay_rows = is_replay.to(torch.bool).unsqueeze(-1).to(logp.dtype)
             groups["/fresh"] = mask * (1 - replay_rows)
             groups["/replay"] = mask * replay_rows
         for suffix, group_mask in groups.items():
-            count = float(group_mask.sum())
-            metrics[f"num_tokens{suffix}"] = count
+            metrics[f"num_tokens{suffix}"] = group_mask.sum()
             for name, values in flags.items():
-                metrics[f"{name}{suffix}"] = float(_masked_mean(values, group_mask))
-            valid_ratios = ratio[group_mask > 0]
-            metrics[f"ratio_max{suffix}"] = float(valid_ratios.max()) if count else 0.0
+                metrics[f"{name}{suffix}"] = _masked_mean(values, group_mask)
+            # ratios are positive: the masked maximum is 0 for a group without tokens
+            metrics[f"ratio_max{suffix}"] = torch.where(group_mask > 0, ratio, 0.0).max() \
+                if group_mask.numel() else group_mask.sum()
+        keys = list(metrics)
+        dtype = torch.promote_types(logp.dtype, torch.float32)
+        stacked = torch.stack([metrics[key].to(dtype) for key in keys])
+        if metrics_on_device:
+            metrics = dict(zip(keys, stacked.unbind()))
+        else:
+            metrics = dict(zip(keys, stacked.tolist()))
     return loss, metrics

@@ -69,8 +69,12 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_rows", "batch_size"):
             if state[key] != getattr(self, key):
+                hint = (" (an RLEP run with replay.pooled_questions_only trains on the rows "
+                        "that have a pool: a checkpoint saved without it, or with another "
+                        "pool, resumes only with the setting and pool it was saved with)"
+                        if key == "num_rows" else "")
                 raise ValueError(f"sampler state was saved with {key}={state[key]}, but this run "
-                                 f"has {key}={getattr(self, key)}; resume with the same data "
-                                 "and data.train_batch_size")
+                                 f"has {key}={getattr(self, key)}; resume with the same data, "
+                                 f"data.train_batch_size and trainer.seed{hint}")
         self.epoch = int(state["epoch"])
         self.batch_in_epoch = int(state["batch_in_epoch"])

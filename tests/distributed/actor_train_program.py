@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlep_megatron import distributed
 from rlep_megatron.actor.forward import pad_sequences, sequence_logprobs
@@ -18,6 +19,43 @@ from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
 from rlep_megatron.weight_sync.streamer import WeightStreamer
 
 NUM_SEQUENCES = 8
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts tensor-to-Python scalar reads (``float()``, ``int()``, ``.item()``: on a GPU each
+    waits for the device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting_schedule_reads():
+    """Counts the scalar reads inside megatron's forward-backward schedule (the micro-batches'
+    forward, loss and backward), not the batch planning around it."""
+    from megatron.core import pipeline_parallel
+
+    original, counter = pipeline_parallel.get_forward_backward_func, ScalarReads()
+
+    def counted(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+
+        def run(**schedule_kwargs):
+            with counter:
+                return schedule(**schedule_kwargs)
+        return run
+
+    pipeline_parallel.get_forward_backward_func = counted
+    try:
+        yield counter
+    finally:
+        pipeline_parallel.get_forward_backward_func = original
 
 
 def global_batch():
@@ -123,9 +161,10 @@ def main():
     batch = TrainBatch(input_ids[rows], response_mask[rows], old_logp[rows], advantages[rows],
                        is_replay[rows], routing=None if routing is None else
                        {layer: experts[rows] for layer, experts in routing.items()})
-    metrics = train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(),
-                               args.micro_batch_max_tokens, sequence_packing=args.packing,
-                               routing_replay=replay)
+    with counting_schedule_reads() as reads:
+        metrics = train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(),
+                                   args.micro_batch_max_tokens, sequence_packing=args.packing,
+                                   routing_replay=replay)
     # every rank receives every HF tensor from the weight-sync stream
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
@@ -135,6 +174,7 @@ def main():
                     "clean_old_logp": clean_old_logp, "lengths": lengths,
                     "optimizers": [type(o).__name__ for o in inner],
                     "adam_state_numel": adam_state_numel(optimizer),
+                    "schedule_scalar_reads": reads.count,
                     "device": str(next(chunks[0].parameters()).device),
                     "transformer_engine": info.use_te}, args.out)
     distributed.destroy()

@@ -269,3 +269,17 @@ def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, t
     assert len(routers) == 3
     assert max((runs["padded"]["weights"][k] - plain["weights"][k]).abs().max()
                for k in routers) > 1e-5
+
+
+def test_step_metrics_make_no_scalar_read_per_micro_batch(tiny_qwen2_dir, tmp_path):
+    """The loss's metrics stay on the device through megatron's schedule (summed there, read
+    in one transfer after it): the scalar reads inside the schedule (each a wait for the device
+    on a GPU) do not grow with the number of micro-batches. The loss metrics read one by one
+    (about 25 per micro-batch) fail this."""
+    reads = {}
+    for budget in (1000, 20):
+        out = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / f"{budget}.pt",
+                    "--micro-batch-max-tokens", str(budget))
+        reads[out["metrics"]["num_micro_batches"]] = out["schedule_scalar_reads"]
+    assert sorted(reads)[0] == 1 and sorted(reads)[1] >= 4, reads
+    assert len(set(reads.values())) == 1, f"scalar reads per micro-batch count: {reads}"

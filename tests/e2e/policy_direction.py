@@ -1,5 +1,6 @@
 """Torchrun function: one RLEP loss step on a fixed batch lowers the log-prob of the tokens of
-negative-advantage responses and raises that of positive ones."""
+negative-advantage responses and raises that of positive ones, fresh and replayed alike (rows 2
+and 3 are replays)."""
 import json
 
 import torch
@@ -31,7 +32,8 @@ def main(hf_dir: str, out: str, tp: int = 1, pp: int = 1) -> None:
     before = actor_logprobs_everywhere(chunks, info, sequences, 256)
     metrics = train_mini_batch(chunks, optimizer, info,
                                TrainBatch(ids, mask, before.clone(), advantages,
-                                          torch.zeros(4, dtype=torch.bool)), AlgoConfig(), 4096)
+                                          torch.tensor([False, False, True, True])),
+                               AlgoConfig(), 4096)
     after = actor_logprobs_everywhere(chunks, info, sequences, 256)
     change = ((after - before) * mask).sum(dim=1) / mask.sum(dim=1)
     if torch.distributed.get_rank() == 0:

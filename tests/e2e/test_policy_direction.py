@@ -1,4 +1,5 @@
-"""The RLEP loss moves the policy the right way on a fixed batch (TP=2 on 2 ranks)."""
+"""The RLEP loss moves the policy the right way on a fixed batch (TP=2 on 2 ranks), replays with
+their advantage's sign as fresh responses."""
 import json
 
 import pytest

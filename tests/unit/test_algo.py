@@ -216,3 +216,37 @@ def test_optional_terms_are_off_by_default_and_applied_when_set():
         policy_loss(*args, kl_coef=0.1)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         policy_loss(*args, loss_agg_mode="sum")
+
+
+def test_metrics_on_device_are_the_same_values_without_a_scalar_read():
+    """``metrics_on_device``: the same metrics as tensors, computed without reading any tensor
+    into Python (each read waits for a GPU); the float path reads them in one transfer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    logp, old_logp, adv, mask = (torch.tensor(x) for x in random_batch(6, batch=6))
+    mask[2] = 0.0  # a row without tokens
+    is_replay = torch.tensor([False, False, True, True, False, False])
+    options = dict(global_num_tokens=float(mask.sum()), is_replay=is_replay,
+                   ref_logp=old_logp - 0.1, kl_coef=0.1)
+    _, floats = policy_loss(logp, old_logp, adv, mask, **options)
+    with Reads():
+        loss, tensors = policy_loss(logp, old_logp, adv, mask, **options, metrics_on_device=True)
+    assert Reads.count == 0
+    assert sorted(tensors) == sorted(floats) and "ratio_max/replay" in floats
+    for key, value in floats.items():
+        assert isinstance(tensors[key], torch.Tensor) and tensors[key].dim() == 0
+        assert tensors[key].item() == pytest.approx(value, rel=1e-12), key
+    # the ratio maximum over a group's tokens, 0 for a group without any
+    _, empty = policy_loss(logp, old_logp, adv, mask, is_replay=torch.zeros(6, dtype=torch.bool))
+    assert empty["ratio_max/replay"] == 0.0 and empty["num_tokens/replay"] == 0.0
+    valid = mask > 0
+    assert floats["ratio_max"] == pytest.approx(float(torch.exp(logp - old_logp)[valid].max()),
+                                                rel=1e-12)

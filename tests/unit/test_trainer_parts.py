@@ -132,3 +132,57 @@ def test_online_admission_takes_every_generation_round_after_the_step():
     assert pool.get(messages[2]) == ["d", "e"] and pool.born[prompt_key(messages[2])] == [7, 7]
     assert pool.pass_rate[prompt_key(messages[1])] == 1.0  # "b" passed, cut at the budget
     assert trainer._candidates == []
+
+
+def test_replays_reach_the_train_batch_with_their_group_advantage(monkeypatch):
+    """The advantage of each replay (computed over its group with the fresh answers) is the one
+    the actor trains it with, in the row of its tokens, marked as a replay: a correct replay in
+    a group of mostly wrong answers pushes its tokens up. Replays given advantage 0, the
+    opposite sign or another row's value fail this."""
+    import types
+
+    import torch
+
+    from rlep_megatron.actor import forward
+
+    cfg = load_config(None, ["rollout.num_samples_per_prompt=4", "trainer.mini_batch_size=2"])
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg, trainer.pad_id = cfg, PAD
+    trainer.ctx = types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0)
+    trainer.routing_replay = trainer.reference = trainer.chunks = trainer.info = None
+    monkeypatch.setattr(forward, "actor_logprobs",
+                        lambda chunks, info, ids, *args, **kwargs: torch.zeros(ids.shape))
+
+    def sample(group, source, correct, length):
+        s = Sample(group, [7] * length, "x", source, acc=correct)
+        s.reward = 1.0 if correct else -1.0
+        return s
+
+    # group 0: 4 wrong fresh answers and a correct replay; group 1: 3 of 4 fresh correct, a
+    # correct replay
+    sequences = [sample(0, FRESH, False, 3 + i) for i in range(4)] + [sample(0, REPLAY, True, 9)]
+    sequences += [sample(1, FRESH, i > 0, 2 + i) for i in range(4)] + [sample(1, REPLAY, True, 4)]
+    batch = StepBatch(rows=[0, 1], prompts=[[1, 2, 3], [4, 5]], sequences=sequences)
+    trainer.advantage(batch)
+    replay_adv = [s.advantage for s in sequences if s.source == REPLAY]
+    # group 0: rewards (-1 x 4, +1): mean -0.6, std sqrt(0.8); the replay (1 + 0.6) / 0.894
+    assert replay_adv[0] == pytest.approx(1.6 / 0.8 ** 0.5, rel=1e-5)
+    assert replay_adv[1] > 0 and all(s.advantage < 0 for s in sequences[:4])
+
+    load = types.SimpleNamespace(skip_rows=None)
+    plan = trainer.mini_batches(batch)
+    passes = list(trainer._old_logprob_pass(batch, plan, load))
+    assert len(passes) == len(plan) == 2
+    for indices, (seqs, placeholder, tensors) in zip(plan, passes):
+        train, _, _ = trainer._train_batch(seqs, placeholder, tensors,
+                                           [len(batch.prompts[s.group]) for s in seqs])
+        expected = [sequences[i] for i in indices]
+        assert train.advantages.tolist() == pytest.approx([s.advantage for s in expected])
+        assert train.is_replay.tolist() == [s.source == REPLAY for s in expected]
+        # each row's tokens and trained mask are its own prompt and response, as if the
+        # mini-batch had been laid out alone (the pass covers every mini-batch at once)
+        ids, mask = training_rows([batch.prompts[s.group] for s in expected],
+                                  [s.token_ids for s in expected], PAD)
+        assert train.input_ids.tolist() == ids.tolist()
+        assert train.response_mask.tolist() == mask.tolist()
+    assert sum(map(len, plan)) == len(sequences)

@@ -1,0 +1,203 @@
+"""An independent learning reference: the RL loop of a recipe written plainly on transformers
+(``generate``, forward, backward, ``torch.optim.AdamW``), none of the trainer's code.
+
+    python bench/plain_rl.py --config examples/tiny_cpu_baseline.yaml --out outputs/plain/seed_1 \\
+        model.hf_dir=outputs/tiny/model data.train_files=[outputs/tiny/task/train.parquet] \\
+        data.val_files=[outputs/tiny/task/val.parquet] trainer.seed=1
+
+What it shares with ``rlep train`` is the task's definition only: the parquet reader, the chat
+template rendering of the prompts and the reward rule (``compute_score`` plus the overlong
+shaping). The rest is written here from the paper's equations: prompts drawn without
+replacement per epoch (its own seeded order), ``G`` samples per prompt at the rollout's
+temperature / top-p / top-k up to the response budget, group advantages (reward minus the
+group's mean over the unbiased std + eps), the old log-probs of every mini-batch from the
+policy before the step's updates, and per mini-batch of ``trainer.mini_batch_size`` prompts
+(x G sequences) the clipped token-mean loss (clip-higher, dual clip) over its response tokens
+(the EOS included), grad-norm clipping and one AdamW step (no warm-up). M = 0 only (the
+baseline).
+
+Validation every ``trainer.validation_interval_steps`` steps and at the end: ``eval``'s number
+of samples per validation question at its temperature / top-p, the mean accuracy (mean@k).
+Writes ``metrics.jsonl`` (one line per step: ``step``, ``train/acc_mean``, ``val/acc_mean``
+where validated, ``timing/step_s``) and the final weights as an HF checkpoint (``model/``, for
+``rlep eval``).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def prompt_ids(tokenizer, messages, max_prompt_tokens):
+    from rlep_megatron.data.prompts import tokenize_prompt
+
+    return tokenize_prompt(tokenizer, messages, max_prompt_tokens).token_ids
+
+
+def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id, eos_id,
+           generator_seed):
+    """``n`` sampled responses per prompt (token lists through their EOS, if any)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        attention[i, width - len(prompt):] = 1
+    torch.manual_seed(generator_seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True,
+                             temperature=temperature, top_p=top_p,
+                             top_k=top_k if top_k > 0 else 0, num_return_sequences=n,
+                             max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                             eos_token_id=eos_id)
+    responses = []
+    for row in out[:, width:].tolist():
+        if eos_id in row:
+            row = row[:row.index(eos_id) + 1]
+        responses.append(row)
+    return [responses[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def score(tokenizer, rows, row, response, cfg):
+    from rlep_megatron.reward import compute_score, overlong_penalty
+
+    text = tokenizer.decode(response, skip_special_tokens=True)
+    result = compute_score(rows.data_source[row], text, rows.ground_truth[row])
+    reward = float(result["score"]) + overlong_penalty(
+        len(response), cfg.rollout.max_response_tokens, cfg.reward.overlong_buffer_tokens,
+        cfg.reward.overlong_penalty_factor)
+    return reward, bool(result["acc"])
+
+
+def token_logprobs(model, sequences, prompt_lengths, pad_id, temperature):
+    """``(logp, mask)``, ``[n, longest - 1]``: each next token's log-prob under ``model`` and 1
+    on the response tokens."""
+    import torch
+
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width - 1)
+    for i, (seq, start) in enumerate(zip(sequences, prompt_lengths)):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, start - 1:len(seq) - 1] = 1.0
+    attention = (torch.arange(width)[None, :] < torch.tensor([len(s) for s in sequences])[:, None])
+    logits = model(input_ids=ids, attention_mask=attention.long()).logits[:, :-1].float()
+    logp = torch.log_softmax(logits / temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return logp, mask
+
+
+def validate(model, tokenizer, rows, cfg, pad_id, eos_id, seed):
+    prompts = [prompt_ids(tokenizer, rows.messages[r], cfg.data.max_prompt_tokens)
+               for r in range(len(rows))]
+    groups = sample(model, prompts, cfg.eval.num_samples_per_prompt,
+                    cfg.rollout.max_response_tokens, cfg.eval.temperature, cfg.eval.top_p, -1,
+                    pad_id, eos_id, seed)
+    hits = [score(tokenizer, rows, r, response, cfg)[1]
+            for r, group in enumerate(groups) for response in group]
+    return sum(hits) / len(hits)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_intermixed_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlep_megatron.config import load_config
+    from rlep_megatron.data.schema import read_prompt_files
+
+    cfg = load_config(args.config, list(args.overrides))
+    if cfg.replay.num_replays_per_prompt:
+        raise SystemExit("bench/plain_rl.py is the baseline (replay.num_replays_per_prompt=0)")
+    if cfg.trainer.mini_batch_unit != "prompts":
+        raise SystemExit("bench/plain_rl.py counts mini-batches in prompts")
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(cfg.trainer.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    optim = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
+                                  betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
+                                  weight_decay=optim.weight_decay)
+    train = read_prompt_files(cfg.data.train_files)
+    val = read_prompt_files(cfg.data.val_files)
+    algo, rollout, g = cfg.algo, cfg.rollout, cfg.rollout.num_samples_per_prompt
+    order = torch.Generator().manual_seed(cfg.trainer.seed)
+    queue: list[int] = []
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    with open(metrics_path, "w") as log:
+        val_every = cfg.trainer.validation_interval_steps
+        if val_every:
+            model.eval()
+            accuracy = validate(model, tokenizer, val, cfg, pad_id, eos_id, 10_000)
+            log.write(json.dumps({"step": 0, "val/acc_mean": accuracy}) + "\n")
+            print(f"step 0: val {accuracy:.3f}", flush=True)
+        for step in range(1, cfg.trainer.total_steps + 1):
+            started = time.perf_counter()
+            while len(queue) < cfg.data.train_batch_size:
+                queue += torch.randperm(len(train), generator=order).tolist()
+            rows, queue = queue[:cfg.data.train_batch_size], queue[cfg.data.train_batch_size:]
+            prompts = [prompt_ids(tokenizer, train.messages[r], cfg.data.max_prompt_tokens)
+                       for r in rows]
+            model.eval()
+            groups = sample(model, prompts, g, rollout.max_response_tokens, rollout.temperature,
+                            rollout.top_p, rollout.top_k, pad_id, eos_id, cfg.trainer.seed * 100_003 + step)
+            sequences, starts, advantages, accs = [], [], [], []
+            for row, prompt, group in zip(rows, prompts, groups):
+                scored = [score(tokenizer, train, row, response, cfg) for response in group]
+                rewards = torch.tensor([s[0] for s in scored], dtype=torch.float64)
+                std = rewards.std() if algo.advantage_normalize_std else torch.tensor(1.0)
+                adv = (rewards - rewards.mean()) / (std + algo.advantage_eps)
+                for response, value, (_, acc) in zip(group, adv.tolist(), scored):
+                    sequences.append(prompt + response)
+                    starts.append(len(prompt))
+                    advantages.append(value)
+                    accs.append(acc)
+            per = cfg.trainer.mini_batch_size * g
+            batches = [list(range(i, min(i + per, len(sequences))))
+                       for i in range(0, len(sequences), per)]
+            with torch.no_grad():
+                old = [token_logprobs(model, [sequences[i] for i in b], [starts[i] for i in b],
+                                      pad_id, rollout.temperature)[0] for b in batches]
+            model.train()
+            for b, old_logp in zip(batches, old):
+                logp, mask = token_logprobs(model, [sequences[i] for i in b],
+                                            [starts[i] for i in b], pad_id, rollout.temperature)
+                adv = torch.tensor([advantages[i] for i in b], dtype=torch.float32)[:, None]
+                ratio = torch.exp(logp - old_logp)
+                clipped = torch.clamp(ratio, 1 - algo.clip_ratio_low, 1 + algo.clip_ratio_high)
+                loss = torch.maximum(-adv * ratio, -adv * clipped)
+                loss = torch.where(adv < 0, torch.minimum(loss, -adv * algo.clip_ratio_c), loss)
+                loss = (loss * mask).sum() / mask.sum().clamp(min=1)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if optim.clip_grad > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad)
+                optimizer.step()
+            entry = {"step": step, "train/acc_mean": sum(accs) / len(accs),
+                     "timing/step_s": time.perf_counter() - started}
+            if val_every and (step % val_every == 0 or step == cfg.trainer.total_steps):
+                model.eval()
+                entry["val/acc_mean"] = validate(model, tokenizer, val, cfg, pad_id, eos_id,
+                                                 10_000 + step)
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+            print(json.dumps(entry), flush=True)
+    model.save_pretrained(os.path.join(args.out, "model"))
+    tokenizer.save_pretrained(os.path.join(args.out, "model"))
+
+
+if __name__ == "__main__":
+    main()
