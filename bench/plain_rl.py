@@ -50,7 +50,8 @@ def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id,
         attention[i, width - len(prompt):] = 1
     torch.manual_seed(generator_seed)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True,
+        out = model.generate(input_ids=ids.to(model.device),
+                             attention_mask=attention.to(model.device), do_sample=True,
                              temperature=temperature, top_p=top_p,
                              top_k=top_k if top_k > 0 else 0, num_return_sequences=n,
                              max_new_tokens=max_new_tokens, pad_token_id=pad_id,

@@ -54,34 +54,17 @@ def raw_generate(trainer, prompts, seed, seeded: bool) -> float:
     return seconds
 
 
-def plain_generate(model, prompts, cfg, pad_id: int, eos_id: int) -> tuple[float, int]:
+def plain_generate(model, prompts, cfg, pad_id: int, eos_id: int, seed: int
+                   ) -> tuple[float, int]:
     """transformers' ``generate`` of the rollout's prompts in one left-padded batch with the
-    rollout's sampling settings; returns (seconds, response tokens generated up to each EOS)."""
-    import torch
+    rollout's sampling settings (``bench/plain_rl.py``'s sampler); returns (seconds, response
+    tokens generated, each through its EOS)."""
+    from bench.plain_rl import sample
 
-    n = cfg.num_samples_per_prompt
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt):] = torch.tensor(list(prompt))
-        attention[i, width - len(prompt):] = 1
-    options = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p,
-                   top_k=cfg.top_k if cfg.top_k > 0 else 0, num_return_sequences=n,
-                   max_new_tokens=cfg.max_response_tokens, pad_token_id=pad_id,
-                   eos_token_id=eos_id)
-    device = model.device
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids.to(device), attention_mask=attention.to(device),
-                             **options)
-    seconds = time.perf_counter() - start
-    responses = out[:, width:].cpu()
-    # tokens through the first EOS (the rest is padding after a row finished)
-    ended = (responses == eos_id).int()
-    first = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0],
-                                                                           responses.shape[1]))
-    return seconds, int(first.sum())
+    groups = sample(model, prompts, cfg.num_samples_per_prompt, cfg.max_response_tokens,
+                    cfg.temperature, cfg.top_p, cfg.top_k, pad_id, eos_id, seed)
+    return time.perf_counter() - start, sum(len(r) for group in groups for r in group)
 
 
 def cpu_name() -> str:
@@ -216,7 +199,8 @@ def main() -> None:
         generated = float(batch.generated_tokens)
         plain.load_state_dict({name: tensor for name, tensor in
                                trainer.streamer.iter_tensors()}, strict=False)
-        hf_gen, hf_tokens = plain_generate(plain, batch.prompts, cfg.rollout, pad_id, eos_id)
+        hf_gen, hf_tokens = plain_generate(plain, batch.prompts, cfg.rollout, pad_id, eos_id,
+                                             seed)
         trainer.add_replays(batch)
         trainer.reward(batch)
         trainer.advantage(batch)

@@ -549,17 +549,17 @@ class Trainer:
                 None if routing is None else {layer: experts[rows, :width]
                                               for layer, experts in routing.items()})
 
-    def _train_batch(self, seqs: list[Sample], placeholder: bool, tensors, prompt_lengths):
+    def _train_batch(self, seqs: list[Sample], placeholder: bool, tensors, starts: list[int]):
         """A mini-batch's slice on this DP rank as the actor trains it, with the old
         log-probs of :meth:`_old_logprob_pass`, plus this slice's sums and maxima for the
-        step's metrics (reduced over DP ranks by :meth:`old_logprob`)."""
+        step's metrics (reduced over DP ranks by :meth:`old_logprob`). ``starts``: each
+        sequence's prompt length (where its response begins)."""
         from rlep_megatron.actor.train_step import TrainBatch
         from rlep_megatron.algo import mismatch_kl, rollout_correction_weights, rollout_loss_mask
         from rlep_megatron.rollout.parity import logprob_abs_diff
 
         algo = self.cfg.algo
         ids, mask, old, ref, routing = tensors
-        starts = prompt_lengths
         # the engine's log-probs of fresh tokens, aligned with the actor's columns
         fresh = [row for row, s in enumerate(seqs)
                  if s.source == FRESH and s.engine_logprobs and not placeholder]

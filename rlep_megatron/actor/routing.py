@@ -57,7 +57,7 @@ def note_micro_batch(batch: dict, config) -> None:
     rows = router_order(batch["route_rows"], config, -1)
     if _EXPERT_LOAD is not None:
         valid = rows >= 0
-        skip = getattr(_EXPERT_LOAD, "skip_rows", None)
+        skip = _EXPERT_LOAD.skip_rows
         if skip is not None and skip.numel():
             valid &= ~torch.isin(rows, skip.to(rows.device))
         _EXPERT_LOAD.valid = valid

@@ -122,10 +122,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             through them, and the normaliser is unchanged (a weight-0 token counts as 0).
         replay_clip_high: eps_high for replayed rows instead of ``clip_high`` (needs
             ``is_replay``); ``None`` treats replays like fresh responses.
-        metrics_on_device: return the metrics as detached 0-dim float32 tensors where the loss
-            lives (float64 for float64 inputs), read by nobody here: the caller reduces them over micro-batches and reads
-            them once (the actor's step makes one device-to-host transfer for its metrics);
-            off, they are read here into floats, also in one transfer.
+        metrics_on_device: return the metrics as detached 0-dim tensors (float32, float64 for
+            float64 inputs) where the loss lives, none read here: the caller reduces them over
+            micro-batches and reads them once (the actor's step: one device-to-host transfer
+            per optimizer step); off, they are read here into floats in one transfer.
 
     Returns:
         ``(loss, metrics)``: the scalar loss to backpropagate and the metrics computed over
