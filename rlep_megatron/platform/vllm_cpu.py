@@ -74,6 +74,7 @@ def vllm_cpu_engine_settings(max_model_len: int) -> dict:
     import os
 
     remove_stale_vllm_cpu_shm()
+    remove_truncated_inductor_binaries()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return {"gpu_memory_utilization": 0.2, "enforce_eager": True,
             "enable_chunked_prefill": False,
@@ -110,4 +111,87 @@ def remove_stale_vllm_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
     if removed:
         logger.warning("removed %d stale vLLM CPU shared-memory file(s) of an earlier job: %s",
                        len(removed), ", ".join(sorted(removed)))
+    return removed
+
+
+def _elf_is_truncated(path: str) -> bool:
+    """Whether a file that should be a 64-bit little-endian ELF shared object ends before the
+    parts its own header points at: the header, the program headers, any loadable segment's
+    bytes, or the section header table. A link killed part-way leaves such a file (empty, or
+    cut short); the dynamic loader refuses it ("file too short")."""
+    import os
+    import struct
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.read(64)
+        if len(header) < 64 or header[:4] != b"\x7fELF" or header[4] != 2 or header[5] != 1:
+            return True
+        (phoff, shoff) = struct.unpack_from("<QQ", header, 0x20)
+        (phentsize, phnum, shentsize, shnum) = struct.unpack_from("<HHHH", header, 0x36)
+        if phoff + phentsize * phnum > size or shoff + shentsize * shnum > size:
+            return True
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        kind, _flags, offset, _vaddr, _paddr, filesz = struct.unpack_from(
+            "<IIQQQQ", table, i * phentsize)
+        if kind == 1 and offset + filesz > size:  # PT_LOAD
+            return True
+    return False
+
+
+def inductor_cache_roots() -> list[str]:
+    """The directories where torch's inductor keeps compiled kernels for this process's jobs:
+    torch's own cache (``TORCHINDUCTOR_CACHE_DIR`` or its default under the temp directory)
+    and vLLM's compile cache (``VLLM_CACHE_ROOT``, by default ``~/.cache/vllm``), which holds
+    inductor caches of its own. Only existing directories are returned; reading them creates
+    nothing and sets no variable."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    roots = [os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir(),
+             os.path.join(os.environ.get("VLLM_CACHE_ROOT")
+                          or os.path.join(os.path.expanduser("~"), ".cache", "vllm"),
+                          "torch_compile_cache")]
+    return [os.path.abspath(root) for root in roots if os.path.isdir(root)]
+
+
+def remove_truncated_inductor_binaries(roots: list[str] | None = None) -> list[str]:
+    """Remove the compiled kernel libraries (``*.so``) of torch's inductor cache that a killed
+    job left cut short. Inductor links a kernel straight into its cache path and, on a later
+    run, loads any library found there without checking it: a job killed during the link (a
+    rank that fails fast while vLLM's CPU backend compiles) leaves a truncated file, and every
+    later job that needs the same kernel then fails with "file too short". A removed library
+    is compiled again when next needed. A library whose build lock (inductor's own,
+    ``<cache>/locks/<key>.lock``) another process holds is being written and is left alone.
+    Returns the removed paths."""
+    import os
+
+    from filelock import FileLock, Timeout
+
+    removed = []
+    for root in inductor_cache_roots() if roots is None else roots:
+        for folder, _dirs, files in os.walk(root):
+            for name in files:
+                if not name.endswith(".so"):
+                    continue
+                path = os.path.join(folder, name)
+                locks = os.path.join(os.path.dirname(folder), "locks")
+                lock = FileLock(os.path.join(locks, name.split(".")[0] + ".lock"), timeout=0)
+                try:
+                    os.makedirs(locks, exist_ok=True)
+                    with lock:
+                        if _elf_is_truncated(path):
+                            os.unlink(path)
+                            removed.append(path)
+                except Timeout:
+                    continue  # another process is building this kernel now
+                except OSError:
+                    continue  # gone already (another rank), or not ours to read or remove
+    if removed:
+        logger.warning("removed %d truncated inductor kernel librar%s left by an earlier job "
+                       "(they are compiled again when needed): %s", len(removed),
+                       "y" if len(removed) == 1 else "ies", ", ".join(sorted(removed)))
     return removed

@@ -224,3 +224,45 @@ def test_device_choice_refuses_gpus_torch_cannot_use(monkeypatch):
         platform.choose_device("cpu")
     with pytest.raises(ValueError, match="auto, cuda, cpu"):
         platform.choose_device("gpu")
+
+
+def test_truncated_inductor_kernels_are_removed_and_live_builds_kept(tmp_path):
+    """A job killed while inductor links a kernel leaves a cut-short library in the shared
+    cache, which the loader refuses on every later run; the repair removes exactly those."""
+    import math
+    import shutil
+    import subprocess
+    import sys
+
+    from filelock import FileLock
+
+    whole = open(math.__file__, "rb").read()  # a real ELF shared object, loadable here
+    root = tmp_path / "inductor"
+    kernels = {"ckeep": whole, "cempty": b"", "chead": whole[:64], "cpage": whole[:4096],
+               "chalf": whole[:len(whole) // 2], "cbusy": whole[:4096]}
+    paths = {}
+    for key, data in kernels.items():
+        paths[key] = root / key[1:3] / f"{key}.main.so"
+        paths[key].parent.mkdir(parents=True, exist_ok=True)
+        paths[key].write_bytes(data)
+    source = root / "ke" / "ckeep.main.cpp"
+    source.write_text("// source")
+
+    # the independent references: binutils' readelf reports every cut-short copy as reaching
+    # past its end (or as no ELF file at all), and the dynamic loader loads the whole one
+    for key in kernels:
+        report = subprocess.run(["readelf", "-h", "-l", "-S", "-W", str(paths[key])],
+                                capture_output=True, text=True)
+        assert ("Error" in report.stderr) == (key != "ckeep"), (key, report.stderr)
+    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(paths['ckeep'])!r})"],
+                   check=True)
+
+    (root / "locks").mkdir()
+    with FileLock(str(root / "locks" / "cbusy.lock")):  # another process is writing it
+        removed = platform.remove_truncated_inductor_binaries([str(root)])
+    assert sorted(removed) == sorted(str(paths[k]) for k in ("cempty", "chead", "cpage", "chalf"))
+    assert paths["ckeep"].read_bytes() == whole and source.exists()
+    assert paths["cbusy"].exists()
+    # once its writer is gone, a still-truncated library goes too; a second pass finds nothing
+    assert platform.remove_truncated_inductor_binaries([str(root)]) == [str(paths["cbusy"])]
+    assert platform.remove_truncated_inductor_binaries([str(root)]) == []
