@@ -27,9 +27,6 @@ import sys
 import yaml
 
 from rlep_megatron import config as config_lib
-from rlep_megatron.distributed import (exit_now_if_multi_rank, get_rank, in_multi_rank_job,
-                                       setup_logging)
-from rlep_megatron.platform import DeviceError
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     once with its error printed (no clean-up that waits for the other ranks, which may be
     blocked in a collective): torchrun then stops the other ranks, and ranks launched
     otherwise see their peer's connection close and fail the same way."""
+    # torch, megatron and vLLM are imported by the subcommands, not by this module: processes
+    # started with ``spawn`` (the reward scorer's workers) import the main module again, and
+    # should not pay for torch
+    from rlep_megatron.distributed import (exit_now_if_multi_rank, get_rank,
+                                           in_multi_rank_job, setup_logging)
+    from rlep_megatron.platform import DeviceError
+
     args = build_parser().parse_args(argv)
     setup_logging(log_all_ranks=getattr(args, "log_all_ranks", False))
     try:

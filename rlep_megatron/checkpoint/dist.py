@@ -103,3 +103,19 @@ def load_mcore_weights(chunks: list[torch.nn.Module], path: str,
     request = drop_unsaved_extra_state(model_sharded_state_dict(chunks), directory)
     state = dist_checkpointing.load({"model": request} if training else request, directory)
     load_model_state_dict(chunks, state["model"] if training else state)
+
+
+def keep_save_results_in_process() -> None:
+    """Give megatron's checkpoint writer an in-process queue for its write results. Its default
+    is a queue served by a ``multiprocessing`` manager started with ``spawn``: a fresh Python
+    process that imports this program again (about 3 s on the first save of every job, and a
+    process left running until the job ends). That queue exists for megatron's asynchronous
+    saves, whose writer runs in another process; the trainer saves synchronously (the writer's
+    results are put and read back in this process), where a plain queue holds them the same
+    way. Idempotent; a queue megatron already made is kept."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()

@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from rlep_megatron import distributed
+from rlep_megatron.checkpoint.dist import keep_save_results_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +269,7 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(os.path.join(partial, "dist"))
         distributed.barrier()
+        keep_save_results_in_process()
         dist_checkpointing.save(self._sharded_state(trainer), os.path.join(partial, "dist"))
         device_rng = distributed.all_gather_object(
             {key: (value.cpu() if torch.is_tensor(value) else value)

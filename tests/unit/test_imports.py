@@ -87,3 +87,14 @@ def test_no_import_cycle_between_subpackages():
 
     for start in sorted(edges):
         assert cycle_from(start, start, [start]) is None, cycle_from(start, start, [start])
+
+
+def test_the_cli_module_imports_no_torch():
+    """``spawn`` children (the reward scorer's worker processes, up to 16 per rank in the GPU
+    recipes) import the parent's main module again: ``rlep_megatron.cli`` must not pull torch
+    (about 2 s of CPU and a few hundred MB per process)."""
+    probe = ("import sys, rlep_megatron.cli; "
+             "print([m for m in ('torch', 'numpy', 'megatron', 'vllm') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == "[]", out
