@@ -35,7 +35,6 @@ import torch
 import yaml
 
 from rlep_megatron import distributed
-from rlep_megatron.checkpoint.dist import keep_save_results_in_process
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +258,8 @@ class CheckpointManager:
 
     def save(self, trainer) -> str:
         from megatron.core import dist_checkpointing
+
+        from rlep_megatron.checkpoint.dist import keep_save_results_in_process
 
         name = f"step_{trainer.step:08d}"
         final = os.path.join(self.root, name)

@@ -129,6 +129,8 @@ def _elf_is_truncated(path: str) -> bool:
             return True
         (phoff, shoff) = struct.unpack_from("<QQ", header, 0x20)
         (phentsize, phnum, shentsize, shnum) = struct.unpack_from("<HHHH", header, 0x36)
+        if phentsize != 56 or (shnum and shentsize != 64):  # the ELF64 entry sizes
+            return True
         if phoff + phentsize * phnum > size or shoff + shentsize * shnum > size:
             return True
         f.seek(phoff)
@@ -142,20 +144,29 @@ def _elf_is_truncated(path: str) -> bool:
 
 
 def inductor_cache_roots() -> list[str]:
-    """The directories where torch's inductor keeps compiled kernels for this process's jobs:
-    torch's own cache (``TORCHINDUCTOR_CACHE_DIR`` or its default under the temp directory)
-    and vLLM's compile cache (``VLLM_CACHE_ROOT``, by default ``~/.cache/vllm``), which holds
-    inductor caches of its own. Only existing directories are returned; reading them creates
-    nothing and sets no variable."""
+    """The directories where torch's inductor keeps compiled kernels for this machine's jobs:
+    ``TORCHINDUCTOR_CACHE_DIR`` when set, torch's default under the temp directory (vLLM
+    points the variable elsewhere once it compiles, so the default is always included), and
+    vLLM's compile cache (``VLLM_CACHE_ROOT``, by default under ``XDG_CACHE_HOME`` or
+    ``~/.cache``), which holds inductor caches of its own. Only existing directories, each
+    once; reading them creates nothing and sets no variable."""
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    roots = [os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir(),
-             os.path.join(os.environ.get("VLLM_CACHE_ROOT")
-                          or os.path.join(os.path.expanduser("~"), ".cache", "vllm"),
-                          "torch_compile_cache")]
-    return [os.path.abspath(root) for root in roots if os.path.isdir(root)]
+    try:
+        from vllm import envs as vllm_envs
+
+        vllm_root = vllm_envs.VLLM_CACHE_ROOT
+    except ImportError:  # no vLLM: only torch's caches
+        vllm_root = None
+    candidates = [os.environ.get("TORCHINDUCTOR_CACHE_DIR"), default_cache_dir(),
+                  os.path.join(vllm_root, "torch_compile_cache") if vllm_root else None]
+    roots: list[str] = []
+    for root in candidates:
+        if root and os.path.isdir(root) and os.path.abspath(root) not in roots:
+            roots.append(os.path.abspath(root))
+    return roots
 
 
 def remove_truncated_inductor_binaries(roots: list[str] | None = None) -> list[str]:
@@ -168,6 +179,7 @@ def remove_truncated_inductor_binaries(roots: list[str] | None = None) -> list[s
     ``<cache>/locks/<key>.lock``) another process holds is being written and is left alone.
     Returns the removed paths."""
     import os
+    import struct
 
     from filelock import FileLock, Timeout
 
@@ -188,7 +200,7 @@ def remove_truncated_inductor_binaries(roots: list[str] | None = None) -> list[s
                             removed.append(path)
                 except Timeout:
                     continue  # another process is building this kernel now
-                except OSError:
+                except (OSError, struct.error):
                     continue  # gone already (another rank), or not ours to read or remove
     if removed:
         logger.warning("removed %d truncated inductor kernel librar%s left by an earlier job "

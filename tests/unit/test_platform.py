@@ -229,14 +229,16 @@ def test_device_choice_refuses_gpus_torch_cannot_use(monkeypatch):
 def test_truncated_inductor_kernels_are_removed_and_live_builds_kept(tmp_path):
     """A job killed while inductor links a kernel leaves a cut-short library in the shared
     cache, which the loader refuses on every later run; the repair removes exactly those."""
-    import math
-    import shutil
     import subprocess
     import sys
 
     from filelock import FileLock
 
-    whole = open(math.__file__, "rb").read()  # a real ELF shared object, loadable here
+    # a kernel library made the way inductor makes them: gcc -shared
+    (tmp_path / "kernel.c").write_text("int kernel(void) { return 42; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(tmp_path / "kernel.so"),
+                    str(tmp_path / "kernel.c")], check=True)
+    whole = (tmp_path / "kernel.so").read_bytes()
     root = tmp_path / "inductor"
     kernels = {"ckeep": whole, "cempty": b"", "chead": whole[:64], "cpage": whole[:4096],
                "chalf": whole[:len(whole) // 2], "cbusy": whole[:4096]}
@@ -254,8 +256,8 @@ def test_truncated_inductor_kernels_are_removed_and_live_builds_kept(tmp_path):
         report = subprocess.run(["readelf", "-h", "-l", "-S", "-W", str(paths[key])],
                                 capture_output=True, text=True)
         assert ("Error" in report.stderr) == (key != "ckeep"), (key, report.stderr)
-    subprocess.run([sys.executable, "-c", f"import ctypes; ctypes.CDLL({str(paths['ckeep'])!r})"],
-                   check=True)
+    probe = f"import ctypes; assert ctypes.CDLL({str(paths['ckeep'])!r}).kernel() == 42"
+    subprocess.run([sys.executable, "-c", probe], check=True)
 
     (root / "locks").mkdir()
     with FileLock(str(root / "locks" / "cbusy.lock")):  # another process is writing it
