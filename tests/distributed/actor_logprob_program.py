@@ -25,9 +25,11 @@ def main():
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     parser.add_argument("--cp", type=int, default=1, help="context parallelism")
-    parser.add_argument("--mutate-cp-mask", action="store_true",
-                        help="a deliberate bug: the CP attention masks out every key held by "
-                             "another CP rank (the test must catch it)")
+    parser.add_argument("--mutate-cp-mask", default=None,
+                        choices=["own-keys-only", "no-cross-chunk-causality"],
+                        help="a deliberate bug the test must catch: the CP attention masks out "
+                             "every key held by another CP rank, or sees every key another CP "
+                             "rank holds, future ones included")
     parser.add_argument("--forced-routing", default=None,
                         help="torch file {layer: [rows, columns, k]}: replay these experts")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -52,14 +54,17 @@ def main():
         mine = context_parallel.chunk_positions
         original = context_parallel.causal_mask
 
-        def own_keys_only(query_positions, key_positions):
-            # keys of this rank's chunks only: the relative positions of its queries' chunks
+        def mutated(query_positions, key_positions):
+            # owned: keys of this rank's chunks (the relative positions of its queries' chunks)
             owned = torch.zeros(len(key_positions), dtype=torch.bool)
             length, cp = len(key_positions), ps.get_context_parallel_world_size()
             owned[mine([0, length], cp, ps.get_context_parallel_rank())] = True
-            return original(query_positions, key_positions) & owned.unsqueeze(0)
+            causal = original(query_positions, key_positions)
+            if args.mutate_cp_mask == "own-keys-only":
+                return causal & owned.unsqueeze(0)
+            return causal | ~owned.unsqueeze(0)  # the cross-chunk causal mask dropped
 
-        context_parallel.causal_mask = own_keys_only
+        context_parallel.causal_mask = mutated
     chunks, info = build_from_hf(args.hf_dir, args.dtype,
                                  transformer_engine=args.transformer_engine)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)

@@ -59,15 +59,18 @@ def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, a
             hf_dir, result["input_ids"], result["lengths"]))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_context_parallel_attention_that_misses_other_ranks_keys_fails(packed, tiny_qwen2_dir,
-                                                                      tmp_path):
-    """A mutation: the CP attention masks out the keys other CP ranks hold (each rank attends
-    only within its own chunks). The parity check must see it."""
+@pytest.mark.parametrize("packed, mutation", [(False, "own-keys-only"),
+                                               (True, "own-keys-only"),
+                                               (True, "no-cross-chunk-causality")])
+def test_context_parallel_attention_with_a_wrong_mask_fails(packed, mutation, tiny_qwen2_dir,
+                                                            tmp_path):
+    """Mutations of the CP attention's mask: each rank attends only within its own chunks
+    (other ranks' keys masked out), or sees the keys other ranks hold without the causal mask
+    (future tokens leak in). The parity check must see both."""
     out = tmp_path / "logp.pt"
     extra = ["--pack-max-tokens", "64"] if packed else []
     run_torchrun(PROGRAM, 2, ["--hf-dir", tiny_qwen2_dir, "--out", str(out), "--cp", "2",
-                              "--mutate-cp-mask", *extra])
+                              "--mutate-cp-mask", mutation, *extra])
     result = torch.load(out)
     reference = hf_token_logprobs(tiny_qwen2_dir, result["input_ids"], result["lengths"])
     assert max_abs_logprob_diff(result["logp"], reference, result["lengths"]) > 1e-2
