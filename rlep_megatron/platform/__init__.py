@@ -22,7 +22,7 @@ from rlep_megatron.platform.megatron_shim import (
 from rlep_megatron.platform.cpu_torch import CpuRNGStatesTracker
 from rlep_megatron.platform.vllm_cpu import (
     refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels, remove_stale_vllm_cpu_shm,
-    remove_truncated_inductor_binaries, vllm_cpu_engine_settings)
+    remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly, vllm_cpu_engine_settings)
 
 __all__ = [
     "DEVICE_MODES", "TRANSFORMER_ENGINE_MODES", "CpuRNGStatesTracker", "DeviceError", "Platform",
@@ -30,7 +30,7 @@ __all__ = [
     "megatron_config_overrides", "megatron_moe_without_te", "nvidia_gpus",
     "quiet_megatron_accelerator_warnings", "refresh_vllm_cpu_embedding_kernels",
     "refresh_vllm_cpu_moe_kernels", "remove_stale_vllm_cpu_shm",
-    "remove_truncated_inductor_binaries", "report_layer_spec",
+    "remove_truncated_inductor_binaries", "report_layer_spec", "run_vllm_cpu_helpers_eagerly",
     "select_platform", "transformer_engine_status", "use_transformer_engine",
     "vllm_cpu_engine_settings", "_gpus_hidden_on_purpose", "_nvidia_driver_version",
     "_vllm_is_cpu_build"]

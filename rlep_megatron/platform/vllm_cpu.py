@@ -75,10 +75,45 @@ def vllm_cpu_engine_settings(max_model_len: int) -> dict:
 
     remove_stale_vllm_cpu_shm()
     remove_truncated_inductor_binaries()
+    run_vllm_cpu_helpers_eagerly()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return {"gpu_memory_utilization": 0.2, "enforce_eager": True,
             "enable_chunked_prefill": False,
             "max_num_batched_tokens": max(int(max_model_len), 8192)}
+
+
+# vLLM helpers wrapped in ``torch.compile`` that its CPU backend calls even with
+# ``enforce_eager``: (module, name)
+_COMPILED_VLLM_HELPERS = (
+    # the rank of each sampled token among the vocabulary, for every rollout with log-probs
+    ("vllm.v1.sample.sampler", "batched_count_greater_than"),
+    # the vocabulary-parallel embedding's masking at rollout TP > 1
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "get_masked_input_and_mask"),
+)
+
+
+def run_vllm_cpu_helpers_eagerly() -> list[str]:
+    """Call vLLM's small ``torch.compile``-wrapped helpers as the plain functions they wrap (the
+    same code, eagerly) on the CPU backend. Compiling them costs every job about 2 s of tracing
+    and a cache lookup at its first rollout (tens of seconds of C++ compilation with a cold
+    cache), for a one-line tensor expression; and a job killed during that compilation is what
+    leaves truncated kernels behind (:func:`remove_truncated_inductor_binaries`). vLLM's own
+    comments give the reason for compiling (no extra copies of the logits on GPU): on CPU
+    rollouts the batches are small. Module globals are replaced where the callers look them
+    up; a vLLM without these names is left as it is. Returns the replaced names."""
+    import importlib
+
+    replaced = []
+    for module_name, name in _COMPILED_VLLM_HELPERS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        original = getattr(getattr(module, name, None), "_torchdynamo_orig_callable", None)
+        if original is not None:
+            setattr(module, name, original)
+            replaced.append(f"{module_name}.{name}")
+    return replaced
 
 
 def remove_stale_vllm_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
