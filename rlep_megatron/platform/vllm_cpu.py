@@ -225,11 +225,15 @@ def remove_truncated_inductor_binaries(roots: list[str] | None = None) -> list[s
                 if not name.endswith(".so"):
                     continue
                 path = os.path.join(folder, name)
-                locks = os.path.join(os.path.dirname(folder), "locks")
-                lock = FileLock(os.path.join(locks, name.split(".")[0] + ".lock"), timeout=0)
+                lock = os.path.join(os.path.dirname(folder), "locks",
+                                    name.split(".")[0] + ".lock")
                 try:
-                    os.makedirs(locks, exist_ok=True)
-                    with lock:
+                    # whole libraries are only read; a cut one is checked again under its
+                    # build lock, so that one being written now is left to its writer
+                    if not _elf_is_truncated(path):
+                        continue
+                    os.makedirs(os.path.dirname(lock), exist_ok=True)
+                    with FileLock(lock, timeout=0):
                         if _elf_is_truncated(path):
                             os.unlink(path)
                             removed.append(path)
