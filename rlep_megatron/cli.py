@@ -15,8 +15,9 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
 * ``rlep eval --config F [overrides...]``: mean/maj/best/pass@k of ``eval.checkpoint``.
 * ``rlep init RECIPE --model DIR --train F [--val F] [--gpus N] [--nodes K] [--pool P]``: a recipe
   for your own model and data from the shipped templates (:mod:`rlep_megatron.recipe_init`).
-* ``rlep demo [--out-dir D] [--long] [--seeds N] [--arms A,B] [--warm-start-seed S] [--prepare-only]``: the
-  whole RLEP pipeline on the tiny default, baseline vs RLEP over several seeds.
+* ``rlep demo [--out-dir D] [--long] [--seeds N] [--arms A,B] [--warm-start-seed S] [--jobs J]
+  [--prepare-only]``: the whole RLEP pipeline on the tiny default, baseline vs RLEP over
+  several seeds (J training runs at a time).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(args.out_dir, long=args.long, nproc=args.nproc, seeds=args.seeds,
              overrides=args.overrides, warm_start_seed=args.warm_start_seed,
-             prepare_only=args.prepare_only,
+             prepare_only=args.prepare_only, jobs=args.jobs,
              arms=[a for a in args.arms.split(",") if a] if args.arms else None)
     return 0
 
@@ -209,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="build the task and the warm-started model, then stop (for "
                              "running the phases by hand, README.md)")
     p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
+    p_demo.add_argument("--jobs", type=int, default=None,
+                        help="training runs at a time, each with its share of the cores "
+                             "(default: one per core, at most 4; 1: one run at a time with "
+                             "torch's default threads)")
     p_demo.add_argument("--log-all-ranks", action="store_true")
     p_demo.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="overrides applied to every run of every arm")

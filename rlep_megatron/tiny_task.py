@@ -6,6 +6,15 @@ Kinds (``make_tiny_task(kind=...)``):
 
 * ``arith`` (the tiny default): ``Compute 12 + 7.`` -> ``12 + 7 = 19\nAnswer: 19``; operands
   0..``max_operand``, ``+`` or ``-``. Hard questions carry (``+``) or borrow (``-``) a ten.
+* ``column`` (the demo's): the same questions, subtraction never below 0, and a second way to
+  solve them, column by column: ``Compute 38 + 45.`` -> ``units 8+5=13, tens 3+4+1=8, so 83``
+  / ``Answer: 83``. With ``stepwise_fraction`` > 0 that share of the corpus questions is
+  solved column by column, always correctly; the rest directly, with the slips. The
+  warm-started model then answers directly most of the time and slips often, and works column
+  by column now and then, which it does more reliably: a reasoning mode the base model has but
+  seldom uses, as RL on real base models finds (longer worked solutions get rewarded and
+  spread to questions never trained on). RL can improve on unseen questions by choosing that
+  mode more often, not only by memorising the trained questions' answers.
 * ``max``: ``Largest of 41 17 45 8.`` -> ``Answer: 45``; four numbers 0..99. Hard questions
   have two numbers in the top decade.
 
@@ -13,10 +22,12 @@ The warm-start corpus (``train_solutions.jsonl``) imitates a partially competent
 corpus question has its correct worked solution plus ``num_slips_easy`` (easy questions) or
 ``num_slips_hard`` (hard ones) *slipped* solutions, each written out the same way but with a
 wrong result of the kind a model gets wrong (``arith``: a ten dropped or added, as when a carry
-or borrow is mishandled, then the units digit off by one or two; ``max``: the runners-up). A model warm-started on it computes the answer, and samples a slip
-about as often as the corpus shows one (hard questions more than easy ones): the state RL with
-verifiable rewards starts from on real models, and one RL can improve by rewarding the correct
-result over the slips. With ``num_slips_* = 0`` the corpus is the reference solutions only.
+or borrow is mishandled, then the units digit off by one or two; ``max``: the runners-up). A
+model warm-started on it computes the answer, and samples a slip about as often as the corpus
+shows one (hard questions more than easy ones): the state RL with verifiable rewards starts
+from on real models, and one RL can improve by rewarding the correct result over the slips.
+With ``num_slips_* = 0`` the corpus is the reference solutions only. ``column`` questions
+solved column by column (``stepwise_fraction``) have no slips.
 
 Files written by :func:`make_tiny_task` in its output directory:
 
@@ -60,6 +71,8 @@ class TaskKind:
     canonical: Callable[[tuple], tuple]
     """one representative of the question's symmetry class (``3 + 5`` and ``5 + 3`` are one
     question to a model that has learnt either; so are the orders of ``max``'s numbers)"""
+    stepwise: Optional[Callable[[tuple, int], str]] = None
+    """the solution written step by step, where the kind has such a form (``column``)"""
 
 
 def _arith_canonical(key: tuple) -> tuple:
@@ -90,6 +103,29 @@ def _max_slips(key: tuple) -> list[int]:
     return runners + [value + 1, value - 1, value + 10, value - 10]
 
 
+def _column_draw(rng: random.Random, top: int) -> tuple:
+    a, op, b = rng.randint(0, top), rng.choice("+-"), rng.randint(0, top)
+    return (a, op, b) if op == "+" or a >= b else (b, op, a)
+
+
+def _column_steps(key: tuple, value: int) -> str:
+    """``38 + 45`` -> ``units 8+5=13, tens 3+4+1=8, so 83``: the units column, the tens column
+    with the carry (borrow), then the result."""
+    a, op, b = key
+    (a1, a0), (b1, b0) = divmod(a, 10), divmod(b, 10)
+    if op == "+":
+        units = a0 + b0
+        carry = units // 10
+        tens = a1 + b1 + carry
+        head = f"units {a0}+{b0}={units}, tens {a1}+{b1}" + ("+1" if carry else "")
+    else:
+        borrow = int(a0 < b0)
+        units = a0 + 10 * borrow - b0
+        tens = a1 - b1 - borrow
+        head = f"units {a0 + 10 * borrow}-{b0}={units}, tens {a1}-{b1}" + ("-1" if borrow else "")
+    return f"{head}={tens}, so {value}\nAnswer: {value}"
+
+
 TASK_KINDS: dict[str, TaskKind] = {
     "arith": TaskKind(
         draw=lambda rng, top: (rng.randint(0, top), rng.choice("+-"), rng.randint(0, top)),
@@ -100,6 +136,17 @@ TASK_KINDS: dict[str, TaskKind] = {
         slips=_arith_slips,
         num_questions=lambda top: (top + 1) ** 2 * 2,
         canonical=_arith_canonical,
+    ),
+    "column": TaskKind(
+        draw=_column_draw,
+        question=lambda k: f"Compute {k[0]} {k[1]} {k[2]}.",
+        answer=_arith_value,
+        worked=lambda k, v: f"{k[0]} {k[1]} {k[2]} = {v}\nAnswer: {v}",
+        is_hard=_arith_hard,
+        slips=_arith_slips,
+        num_questions=lambda top: (top + 1) ** 2 + (top + 1) * (top + 2) // 2,
+        canonical=_arith_canonical,
+        stepwise=_column_steps,
     ),
     "max": TaskKind(
         draw=lambda rng, top: tuple(rng.randint(0, 99) for _ in range(4)),
@@ -120,8 +167,8 @@ def data_source(kind: str) -> str:
 
 def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: int = 64,
                    max_operand: int = 20, kind: str = "arith", num_slips_easy: int = 0,
-                   num_slips_hard: int = 0, num_rl_train: Optional[int] = None
-                   ) -> dict[str, str]:
+                   num_slips_hard: int = 0, num_rl_train: Optional[int] = None,
+                   stepwise_fraction: float = 0.0) -> dict[str, str]:
     """Write the task files to ``out_dir``; returns their paths. Same arguments -> same files.
 
     ``num_train`` questions make the warm-start corpus. ``num_rl_train`` (optional) questions
@@ -139,6 +186,11 @@ def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: i
     if num_slips_easy < 0 or num_slips_hard < 0:
         raise ValueError("num_slips_easy and num_slips_hard must be >= 0")
     task = TASK_KINDS[kind]
+    if not 0.0 <= stepwise_fraction <= 1.0:
+        raise ValueError(f"stepwise_fraction must be in [0, 1], got {stepwise_fraction}")
+    if stepwise_fraction and task.stepwise is None:
+        raise ValueError(f"the {kind} task has no step-by-step solutions; stepwise_fraction "
+                         "needs kind='column'")
     space = task.num_questions(max_operand)
     wanted = num_train + num_val + (num_rl_train or 0)
     if wanted > space:
@@ -188,10 +240,15 @@ def make_tiny_task(out_dir: str, seed: int = 0, num_train: int = 800, num_val: i
             rows.index.append(f"{split}-{i}")
         write_table_atomic(rows_to_table(rows), paths[split])
     corpus = []
+    style_rng = random.Random(seed + 2)  # its own stream: the questions do not depend on it
     for key in corpus_keys:
         value = task.answer(key)
         count = num_slips_hard if task.is_hard(key) else num_slips_easy
         wrong = [v for v in dict.fromkeys(task.slips(key)) if v != value][:count]
+        if style_rng.random() < stepwise_fraction:  # worked column by column: no slips
+            corpus.append({"question": task.question(key),
+                           "solution": task.stepwise(key, value)})
+            continue
         corpus += [{"question": task.question(key), "solution": task.worked(key, v)}
                    for v in [value] + wrong]
     random.Random(seed + 1).shuffle(corpus)

@@ -23,18 +23,23 @@ def main() -> int:
                         help="RL training questions of their own, apart from the corpus' "
                              "(default: the corpus' questions)")
     parser.add_argument("--num-val", type=int, default=64)
-    parser.add_argument("--max-operand", type=int, default=20, help="arith operands 0..N")
+    parser.add_argument("--max-operand", type=int, default=20,
+                        help="arith / column operands 0..N")
     parser.add_argument("--kind", choices=sorted(TASK_KINDS), default="arith")
     parser.add_argument("--num-slips-easy", type=int, default=0,
                         help="slipped (wrong) solutions per easy question in the corpus")
     parser.add_argument("--num-slips-hard", type=int, default=0,
                         help="slipped (wrong) solutions per hard question in the corpus")
+    parser.add_argument("--stepwise-fraction", type=float, default=0.0,
+                        help="column: share of corpus questions solved column by column "
+                             "(always right) instead of directly (with the slips)")
     args = parser.parse_args()
     paths = make_tiny_task(args.out_dir, args.seed, args.num_train, args.num_val,
                            args.max_operand, kind=args.kind,
                            num_slips_easy=args.num_slips_easy,
                            num_slips_hard=args.num_slips_hard,
-                           num_rl_train=args.num_rl_train)
+                           num_rl_train=args.num_rl_train,
+                           stepwise_fraction=args.stepwise_fraction)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -63,6 +64,22 @@ def run_rlep(args: list[str], nproc: int = 1, timeout_s: float = 900,
     if check and proc.returncode != 0:
         raise AssertionError(f"rlep {args[0]} failed ({proc.returncode}):\n"
                              f"{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+def resume_from_checkpoint(args: list[str], out, step: int, nproc: int = 2
+                           ) -> subprocess.CompletedProcess:
+    """Remove the checkpoints that the finished ``rlep train`` ``args`` (output dir ``out``)
+    wrote after ``step`` and run ``args`` again: it resumes from that periodic checkpoint, as
+    after a crash, cuts ``metrics.jsonl`` after ``step`` and redoes the later steps."""
+    root = os.path.join(str(out), "checkpoints")
+    later = [name for name in os.listdir(root)
+             if name.startswith("step_") and int(name[len("step_"):]) > step]
+    assert later and os.path.isdir(os.path.join(root, f"step_{step:08d}")), os.listdir(root)
+    for name in later:
+        shutil.rmtree(os.path.join(root, name))
+    proc = run_rlep(args, nproc=nproc)
+    assert f"step_{step:08d} (step {step})" in proc.stdout + proc.stderr  # "resumed from"
     return proc
 
 

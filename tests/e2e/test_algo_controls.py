@@ -4,8 +4,8 @@ update unchanged; bf16: a measured engine/actor gap that the correction acts on)
 replay accounting."""
 import pytest
 
-from tests.e2e.helpers import read_jsonl, recipe, reference_pool, run_rlep, small_task, \
-    train_overrides
+from tests.e2e.helpers import read_jsonl, recipe, reference_pool, resume_from_checkpoint, \
+    run_rlep, small_task, train_overrides
 from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -27,12 +27,25 @@ def pool(task, tmp_path_factory):
     return reference_pool(task, str(tmp_path_factory.mktemp("pool") / "pool.parquet"))
 
 
+def train_args(model, task, pool, out, steps, *extra):
+    return ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+            *train_overrides(model, task, str(out), steps=steps),
+            f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
+            "trainer.validation_interval_steps=0", *extra]
+
+
 def train(model, task, pool, out, steps, *extra):
-    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-              *train_overrides(model, task, str(out), steps=steps),
-              f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
-              "trainer.validation_interval_steps=0", *extra], nproc=2)
+    run_rlep(train_args(model, task, pool, out, steps, *extra), nproc=2)
     return read_jsonl(out / "metrics.jsonl")
+
+
+def straight_then_resumed(model, task, pool, out, steps, resume_step, *extra):
+    """``steps`` straight steps, then the same run resumed from its ``resume_step``
+    checkpoint; returns both metric lists (steps 1..``steps``)."""
+    straight = train(model, task, pool, out, steps, *extra)
+    resume_from_checkpoint(train_args(model, task, pool, out, steps, *extra), out,
+                           step=resume_step)
+    return straight, read_jsonl(out / "metrics.jsonl")
 
 
 def without_timings(entry):
@@ -43,9 +56,8 @@ def test_kl_with_pipeline_parallel_resumes_bit_for_bit(tiny_qwen2_dir, task, poo
     common = ["parallel.pipeline_model_parallel_size=2", "rollout.tensor_model_parallel_size=1",
               "algo.kl_coef=0.05", "algo.kl_estimator=k3", "algo.rollout_correction=truncate",
               "trainer.sequence_packing=true"]  # packed through the pipeline, reference too
-    straight = train(tiny_qwen2_dir, task, pool, tmp_path / "straight", 4, *common)
-    train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 2, *common)
-    resumed = train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 4, *common)
+    straight, resumed = straight_then_resumed(tiny_qwen2_dir, task, pool, tmp_path / "run", 4, 2,
+                                              *common)
     assert [e["step"] for e in straight] == [e["step"] for e in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         assert without_timings(a) == without_timings(b), a["step"]
@@ -111,9 +123,8 @@ def test_bf16_trains_resumes_and_its_gap_is_measured_and_corrected(tiny_qwen2_di
               "algo.rollout_correction=truncate",
               f"algo.rollout_correction_threshold={threshold}",
               "checkpoint.save_interval_steps=1"]
-    straight = train(tiny_qwen2_dir, task, pool, tmp_path / "bf16", 2, *common)
-    train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 1, *common)
-    resumed = train(tiny_qwen2_dir, task, pool, tmp_path / "resumed", 2, *common)
+    straight, resumed = straight_then_resumed(tiny_qwen2_dir, task, pool, tmp_path / "bf16", 2, 1,
+                                              *common)
     assert [without_timings(e) for e in straight] == [without_timings(e) for e in resumed]
     for entry in straight:
         # bf16 keeps 8 bits of mantissa (relative rounding 2^-9): the same weights give

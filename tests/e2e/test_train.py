@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool, run_rlep,
-                               small_task, train_overrides)
+from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool,
+                               resume_from_checkpoint, run_rlep, small_task, train_overrides)
 from rlep_megatron.data.schema import read_prompt_file, rows_to_table, write_table_atomic
 from tests.torchrun import REPO_ROOT, _env
 from tests import requires
@@ -99,15 +99,14 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
               "rollout.tensor_model_parallel_size=2", "trainer.mini_batch_unit=sequences",
               "trainer.mini_batch_size=23", "trainer.sequence_packing=true",
               "optim.lr_warmup_steps=3", "optim.lr_warmup_unit=training_steps"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-              *train_overrides(tiny_qwen2_dir, task, str(straight), steps=4), *common], nproc=2)
-    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-              *train_overrides(tiny_qwen2_dir, task, str(resumed), steps=2), *common], nproc=2)
-    proc = run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-                     *train_overrides(tiny_qwen2_dir, task, str(resumed), steps=4), *common],
-                    nproc=2)
-    assert "resumed from" in proc.stdout + proc.stderr
+    # 4 straight steps (checkpoints at 2 and 4), then resumed from the step-2 checkpoint
+    straight = tmp_path / "straight"
+    args = ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+            *train_overrides(tiny_qwen2_dir, task, str(straight), steps=4), *common]
+    run_rlep(args, nproc=2)
+    a = read_jsonl(straight / "metrics.jsonl")
+    resume_from_checkpoint(args, straight, step=2)
+    b = read_jsonl(straight / "metrics.jsonl")
     # megatron's overlapped gradient reduce-scatter and parameter gather (the defaults) against
     # the plain reduction after the backward: the same arithmetic, so every metric of 3 steps
     # (step 3's rollouts and log-probs come from the weights after 2 updates) is identical
@@ -115,7 +114,6 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(plain), steps=3), *common,
               "optim.overlap_grad_reduce=false", "optim.overlap_param_gather=false"], nproc=2)
-    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     for x, y in zip(a[:4], read_jsonl(plain / "metrics.jsonl")):
         keys = {k for k in x if not k.startswith("timing/")}
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
@@ -233,15 +231,16 @@ def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_d
 
 
 def straight_equals_resumed(hf_dir, task, common, tmp_path):
-    """3 straight steps on 2 ranks, and 2 steps resumed to 3: every metric but the timings
-    equal. Returns the straight run's metrics."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for out, steps in ((straight, 3), (resumed, 2), (resumed, 3)):
-        proc = run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-                         *train_overrides(hf_dir, task, str(out), steps=steps), *common],
-                        nproc=2)
-    assert "resumed from" in proc.stdout + proc.stderr
-    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    """3 straight steps on 2 ranks (checkpoints at steps 2 and 3), then the same run resumed
+    from its step-2 checkpoint: step 3 redone, and every metric but the timings equal. Returns
+    the straight run's metrics."""
+    out = tmp_path / "run"
+    args = ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+            *train_overrides(hf_dir, task, str(out), steps=3), *common]
+    run_rlep(args, nproc=2)
+    a = read_jsonl(out / "metrics.jsonl")
+    resume_from_checkpoint(args, out, step=2)
+    b = read_jsonl(out / "metrics.jsonl")
     assert [e["step"] for e in a] == [e["step"] for e in b] == [0, 1, 2, 3]
     for x, y in zip(a, b):
         keys = {k for k in x if not k.startswith("timing/")}

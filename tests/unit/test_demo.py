@@ -181,3 +181,47 @@ def test_paired_differences_area_and_verdict_worked_by_hand():
     lines = paired_table(paired_comparison(flat, flat, 0.9), 8).splitlines()
     assert lines[4].rstrip().endswith("reached by no run")
     assert lines[5].rstrip().endswith("reached by no run")
+
+
+def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch):
+    """``--jobs``: phases run together, and the first failure terminates the phase processes
+    still running and is raised (a demo never waits on a run whose sibling failed)."""
+    import subprocess
+    import threading
+    import time
+
+    from rlep_megatron import demo
+
+    started = threading.Barrier(2, timeout=10)  # both phases must be running at once
+    sleeper = {}
+
+    def long_phase():
+        started.wait()
+        proc = subprocess.Popen(["sleep", "60"])
+        sleeper["proc"] = proc
+        with demo._LIVE_LOCK:
+            demo._LIVE.add(proc)
+        try:
+            proc.wait()
+        finally:
+            with demo._LIVE_LOCK:
+                demo._LIVE.discard(proc)
+
+    def failing_phase():
+        started.wait()
+        time.sleep(0.5)
+        raise RuntimeError("rlep train failed")
+
+    begin = time.perf_counter()
+    with pytest.raises(RuntimeError, match="rlep train failed"):
+        demo._run_all([long_phase, failing_phase], jobs=2)
+    assert time.perf_counter() - begin < 20
+    assert sleeper["proc"].returncode is not None and sleeper["proc"].returncode < 0
+    # one job: in order, one at a time
+    order = []
+    demo._run_all([lambda: order.append(1), lambda: order.append(2)], jobs=1)
+    assert order == [1, 2]
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    assert (demo.default_jobs(1), demo.default_jobs(2)) == (2, 1)
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 64)
+    assert demo.default_jobs(1) == 4

@@ -59,6 +59,54 @@ def test_max_task_and_no_slips_by_default(tmp_path):
         assert compute_score("tiny_max", f"Answer: {truth}", truth)["acc"]
 
 
+def test_column_task_worked_solutions_are_right_column_by_column(tmp_path):
+    """The ``column`` kind: subtraction never goes below 0; a corpus question is written either
+    directly (the correct result plus its slips, as ``arith``) or column by column (the correct
+    result only), in about ``stepwise_fraction`` of the questions; every column step is checked
+    with plain digit arithmetic."""
+    paths = make_tiny_task(str(tmp_path), seed=1, kind="column", num_train=400, num_val=10,
+                           max_operand=99, num_slips_easy=1, num_slips_hard=2,
+                           stepwise_fraction=0.25)
+    step_re = re.compile(r"units (\d+)([+-])(\d+)=(\d+), tens (\d+)[+-](\d+)([+-]1)?=(\d+), "
+                         r"so (\d+)\nAnswer: (\d+)")
+    stepwise = 0
+    solutions = corpus_by_question(paths["solutions"])
+    for question, texts in solutions.items():
+        a, op, b = re.fullmatch(r"Compute (\d+) ([+-]) (\d+)\.", question).groups()
+        a, b = int(a), int(b)
+        value = a + b if op == "+" else a - b
+        assert value >= 0
+        if texts[0].startswith("units"):
+            stepwise += 1
+            assert len(texts) == 1  # no slips when worked column by column
+            m = step_re.fullmatch(texts[0])
+            assert m, texts[0]
+            u_a, u_op, u_b, u_res, t_a, t_b, carry, t_res, result, answer = m.groups()
+            assert u_op == op and int(u_b) == b % 10 and int(t_b) == b // 10
+            assert int(t_a) == a // 10
+            if op == "+":
+                assert int(u_a) == a % 10 and int(u_res) == a % 10 + b % 10
+                assert bool(carry) == (a % 10 + b % 10 >= 10)
+            else:
+                borrow = a % 10 < b % 10
+                assert int(u_a) == a % 10 + 10 * borrow and int(u_res) == int(u_a) - b % 10
+                assert bool(carry) == borrow
+            assert int(t_res) * 10 + int(u_res) % 10 == value
+            assert int(result) == int(answer) == value
+        else:
+            correct = f"{a} {op} {b} = {value}\nAnswer: {value}"
+            hard = (a % 10 + b % 10 >= 10) if op == "+" else (a % 10 < b % 10)
+            assert texts.count(correct) == 1 and len(set(texts)) == len(texts) == 2 + hard
+            assert all(t.startswith(f"{a} {op} {b} = ") for t in texts)
+    assert 0.18 * len(solutions) < stepwise < 0.32 * len(solutions), stepwise
+    # without the option the same questions come back, all written directly
+    plain = make_tiny_task(str(tmp_path / "plain"), seed=1, kind="column", num_train=400,
+                           num_val=10, max_operand=99)
+    assert set(corpus_by_question(plain["solutions"])) == set(solutions)
+    assert not any(s.startswith("units") for t in corpus_by_question(plain["solutions"]).values()
+                   for s in t)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown tiny task kind"):
         make_tiny_task("unused", kind="sort")
@@ -66,6 +114,10 @@ def test_bad_arguments():
         make_tiny_task("unused", num_train=8, num_val=1, max_operand=1)
     with pytest.raises(ValueError, match="num_slips"):
         make_tiny_task("unused", num_slips_hard=-1)
+    with pytest.raises(ValueError, match="stepwise_fraction must be in"):
+        make_tiny_task("unused", kind="column", stepwise_fraction=1.5)
+    with pytest.raises(ValueError, match="needs kind='column'"):
+        make_tiny_task("unused", stepwise_fraction=0.5)
 
 
 def test_warm_start_accuracy_decodes_as_far_as_the_longest_solution(tmp_path, tiny_qwen2_dir,
