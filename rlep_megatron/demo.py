@@ -74,6 +74,7 @@ def examples_dir() -> str:
 
 _LIVE: set = set()  # the phase processes running now (several with --jobs > 1)
 _LIVE_LOCK = threading.Lock()
+_STOPPING = threading.Event()  # set (under _LIVE_LOCK) once a phase has failed
 
 
 def _run(args: list[str], nproc: int, log_path: str, threads: Optional[int] = None) -> float:
@@ -93,6 +94,8 @@ def _run(args: list[str], nproc: int, log_path: str, threads: Optional[int] = No
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         with _LIVE_LOCK:
             _LIVE.add(proc)
+            if _STOPPING.is_set():  # a sibling phase failed while this one was starting
+                proc.terminate()
         try:
             returncode = proc.wait()
         finally:
@@ -109,6 +112,7 @@ def _run(args: list[str], nproc: int, log_path: str, threads: Optional[int] = No
 def _run_all(calls: list, jobs: int) -> None:
     """Run the zero-argument ``calls`` (phases of the demo), ``jobs`` at a time. The first
     failure stops the phases still running (their processes are terminated) and is raised."""
+    _STOPPING.clear()
     if jobs <= 1 or len(calls) <= 1:
         for call in calls:
             call()
@@ -123,6 +127,7 @@ def _run_all(calls: list, jobs: int) -> None:
             for future in futures:
                 future.cancel()
             with _LIVE_LOCK:
+                _STOPPING.set()
                 for proc in _LIVE:
                     proc.terminate()
             raise failed[0].exception()

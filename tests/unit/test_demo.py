@@ -183,7 +183,7 @@ def test_paired_differences_area_and_verdict_worked_by_hand():
     assert lines[5].rstrip().endswith("reached by no run")
 
 
-def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch):
+def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch, tmp_path):
     """``--jobs``: phases run together, and the first failure terminates the phase processes
     still running and is raised (a demo never waits on a run whose sibling failed)."""
     import subprocess
@@ -212,11 +212,22 @@ def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch):
         time.sleep(0.5)
         raise RuntimeError("rlep train failed")
 
+    # a third phase, queued: it starts (or is cancelled) as the failure is handled, and its
+    # process must not outlive the failure either
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/sh\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(demo.sys, "executable", str(fake))
+
+    def queued_phase():
+        demo._run(["train"], 1, str(tmp_path / "third.log"))
+
     begin = time.perf_counter()
     with pytest.raises(RuntimeError, match="rlep train failed"):
-        demo._run_all([long_phase, failing_phase], jobs=2)
+        demo._run_all([long_phase, failing_phase, queued_phase], jobs=2)
     assert time.perf_counter() - begin < 20
     assert sleeper["proc"].returncode is not None and sleeper["proc"].returncode < 0
+    assert not demo._LIVE
     # one job: in order, one at a time
     order = []
     demo._run_all([lambda: order.append(1), lambda: order.append(2)], jobs=1)
