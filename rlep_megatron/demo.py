@@ -98,6 +98,10 @@ def _run(args: list[str], nproc: int, log_path: str, threads: Optional[int] = No
                 proc.terminate()
         try:
             returncode = proc.wait()
+        except BaseException:  # Ctrl-C (or any exit) reaching the demo: no run left behind
+            proc.terminate()
+            proc.wait()
+            raise
         finally:
             with _LIVE_LOCK:
                 _LIVE.discard(proc)
@@ -119,18 +123,25 @@ def _run_all(calls: list, jobs: int) -> None:
         return
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    def stop_all(pool) -> None:
+        with _LIVE_LOCK:
+            _STOPPING.set()
+            for proc in _LIVE:
+                proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
         futures = [pool.submit(call) for call in calls]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in done if f.exception() is not None]
-        if failed:
-            for future in futures:
-                future.cancel()
-            with _LIVE_LOCK:
-                _STOPPING.set()
-                for proc in _LIVE:
-                    proc.terminate()
-            raise failed[0].exception()
+    except BaseException:  # Ctrl-C: no queued phase starts, the running ones are ended
+        stop_all(pool)
+        raise
+    failed = [f for f in done if f.exception() is not None]
+    if failed:
+        stop_all(pool)
+        raise failed[0].exception()
+    pool.shutdown(wait=True)
 
 
 def default_jobs(nproc: int) -> int:
