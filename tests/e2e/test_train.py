@@ -100,13 +100,7 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
               "trainer.mini_batch_size=23", "trainer.sequence_packing=true",
               "optim.lr_warmup_steps=3", "optim.lr_warmup_unit=training_steps"]
     # 4 straight steps (checkpoints at 2 and 4), then resumed from the step-2 checkpoint
-    straight = tmp_path / "straight"
-    args = ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-            *train_overrides(tiny_qwen2_dir, task, str(straight), steps=4), *common]
-    run_rlep(args, nproc=2)
-    a = read_jsonl(straight / "metrics.jsonl")
-    resume_from_checkpoint(args, straight, step=2)
-    b = read_jsonl(straight / "metrics.jsonl")
+    a = straight_equals_resumed(tiny_qwen2_dir, task, common, tmp_path, steps=4)
     # megatron's overlapped gradient reduce-scatter and parameter gather (the defaults) against
     # the plain reduction after the backward: the same arithmetic, so every metric of 3 steps
     # (step 3's rollouts and log-probs come from the weights after 2 updates) is identical
@@ -116,11 +110,6 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
               "optim.overlap_grad_reduce=false", "optim.overlap_param_gather=false"], nproc=2)
     for x, y in zip(a[:4], read_jsonl(plain / "metrics.jsonl")):
         keys = {k for k in x if not k.startswith("timing/")}
-        assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
-    assert [e["step"] for e in a] == [e["step"] for e in b] == [0, 1, 2, 3, 4]
-    for x, y in zip(a, b):
-        keys = {k for k in x if not k.startswith("timing/")}
-        assert keys == {k for k in y if not k.startswith("timing/")}
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
     # the steps really trained (the comparison is not between two idle runs)
     assert a[4]["train/grad_norm"] > 0 and a[3]["replay/num_sequences"] > 0
@@ -162,8 +151,8 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
     (dense parts DP=2, distributed optimizer: the chained dense / expert optimizers), two
     rollout replicas, routing replay (algo.routing_replay=actor), the load-balancing loss on
     (EP ranks with fewer micro-batches run fillers): contract metrics finite, the
-    engine agrees with the actor on every fresh token, and 2 steps + resume to 3 equal 3
-    straight steps in every metric."""
+    engine agrees with the actor on every fresh token, and step 3 redone from the step-2
+    checkpoint equals the straight run's step 3 in every metric."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "parallel.expert_model_parallel_size=2", "algo.routing_replay=actor",
               "algo.moe_aux_loss_coeff=0.001"]
@@ -200,8 +189,9 @@ def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_d
     tokens at a time), or with sequence parallelism at TP2 and online experience replay
     (replay.mode=both: the offline pool plus the run's own verified answers, at most 2 per
     question, replayed toward the questions that failed): contract metrics finite, the engine
-    agrees with the actor on every fresh token, and 2 steps + resume to 3 equal 3 straight
-    steps in every metric (the online pool is part of the checkpoint)."""
+    agrees with the actor on every fresh token, and step 3 redone from the step-2 checkpoint
+    equals the straight run's step 3 in every metric (the online pool is part of the
+    checkpoint)."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}", *layout]
     online = "replay.mode=both" in layout
     if online:
@@ -230,18 +220,19 @@ def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_d
         assert any(e["replay/online_age_mean"] >= 1 for e in a[2:])
 
 
-def straight_equals_resumed(hf_dir, task, common, tmp_path):
-    """3 straight steps on 2 ranks (checkpoints at steps 2 and 3), then the same run resumed
-    from its step-2 checkpoint: step 3 redone, and every metric but the timings equal. Returns
-    the straight run's metrics."""
+def straight_equals_resumed(hf_dir, task, common, tmp_path, steps=3):
+    """``steps`` straight steps on 2 ranks (checkpoints every 2 steps and at the end), then the
+    same run resumed from its step-2 checkpoint: the steps after it redone, and every metric
+    but the timings equal (the steps up to the checkpoint are the straight run's own records).
+    Returns the straight run's metrics."""
     out = tmp_path / "run"
     args = ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-            *train_overrides(hf_dir, task, str(out), steps=3), *common]
+            *train_overrides(hf_dir, task, str(out), steps=steps), *common]
     run_rlep(args, nproc=2)
     a = read_jsonl(out / "metrics.jsonl")
     resume_from_checkpoint(args, out, step=2)
     b = read_jsonl(out / "metrics.jsonl")
-    assert [e["step"] for e in a] == [e["step"] for e in b] == [0, 1, 2, 3]
+    assert [e["step"] for e in a] == [e["step"] for e in b] == list(range(steps + 1))
     for x, y in zip(a, b):
         keys = {k for k in x if not k.startswith("timing/")}
         assert keys == {k for k in y if not k.startswith("timing/")}
