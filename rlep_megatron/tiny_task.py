@@ -4,9 +4,9 @@ supervised warm start of the tiny model on a corpus of worked solutions.
 
 Kinds (``make_tiny_task(kind=...)``):
 
-* ``arith`` (the tiny default): ``Compute 12 + 7.`` -> ``12 + 7 = 19\nAnswer: 19``; operands
+* ``arith`` (the earlier default): ``Compute 12 + 7.`` -> ``12 + 7 = 19\nAnswer: 19``; operands
   0..``max_operand``, ``+`` or ``-``. Hard questions carry (``+``) or borrow (``-``) a ten.
-* ``column`` (the demo's): the same questions, subtraction never below 0, and a second way to
+* ``column`` (the tiny default, ``demo.TASK``): the same questions, subtraction never below 0, and a second way to
   solve them, column by column: ``Compute 38 + 45.`` -> ``units 8+5=13, tens 3+4+1=8, so 83``
   / ``Answer: 83``. With ``stepwise_fraction`` > 0 that share of the corpus questions is
   solved column by column, always correctly; the rest directly, with the slips. The

@@ -1,8 +1,13 @@
 """Write a tiny task in the DAPO schema (train.parquet, val.parquet, and the warm-start corpus
 train_solutions.jsonl; see rlep_megatron/tiny_task.py). Same arguments -> same files.
 
-    python tools/make_tiny_task.py --out-dir outputs/tiny/task [--kind arith|max] [--seed 0] \
-        [--num-train 800] [--num-rl-train 128] [--num-slips-easy 1 --num-slips-hard 2]
+    python tools/make_tiny_task.py --out-dir outputs/tiny/task [--kind arith|column|max] \\
+        [--seed 0] [--num-train 800] [--num-rl-train 128] [--num-val 64] [--max-operand 20] \\
+        [--num-slips-easy 1 --num-slips-hard 2] [--stepwise-fraction 0.25]
+
+The demo's task (``rlep_megatron.demo.TASK``) is
+``--kind column --num-train 3000 --num-rl-train 128 --num-val 64 --max-operand 99
+--num-slips-easy 1 --num-slips-hard 2 --stepwise-fraction 0.25``.
 """
 import argparse
 import os
@@ -14,7 +19,8 @@ from rlep_megatron.tiny_task import TASK_KINDS, make_tiny_task  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-train", type=int, default=800,

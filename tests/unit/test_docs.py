@@ -29,3 +29,17 @@ def test_every_cited_document_is_in_the_repository():
                 if not os.path.isfile(os.path.join(REPO_ROOT, c))]
     assert not missing, missing
     assert os.path.isfile(os.path.join(REPO_ROOT, "LICENSE"))
+
+
+def test_make_tiny_task_names_the_demos_task():
+    """tools/make_tiny_task.py's help gives the flags of the demo's task: they must be demo.TASK."""
+    from rlep_megatron.demo import TASK
+
+    with open(os.path.join(REPO_ROOT, "tools", "make_tiny_task.py")) as f:
+        doc = f.read().split('"""')[1]
+    demo_part = doc.split("The demo's task", 1)[1]
+    flags = dict(re.findall(r"--([a-z-]+) (\S+?)(?=[\s`])", demo_part))
+    assert {k.replace("-", "_") for k in flags} == set(TASK)
+    for key, text in flags.items():
+        value = TASK[key.replace("-", "_")]
+        assert text == str(value), (key, text, value)
