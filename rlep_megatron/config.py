@@ -350,7 +350,8 @@ class AlgoConfig:
         if self.routing_replay == "rollout":
             raise ValueError("algo.routing_replay=rollout is not available yet: it needs the "
                              "engine's routed experts (vLLM's enable_return_routed_experts, "
-                             "GPU only), which are not wired; use actor (replays the "
+                             "which vLLM 0.32 serves only from its Triton-based V2 model "
+                             "runner), which are not wired; use actor (replays the "
                              "old-log-prob pass's routing in the updates) or off")
         if self.rollout_correction_threshold <= 1:
             raise ValueError("algo.rollout_correction_threshold must be > 1 (tokens are kept "

@@ -13,6 +13,7 @@ assumption named in the output.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 from rlep_megatron.config import RunConfig
@@ -41,6 +42,112 @@ class StageParams:
     layers: int = 0
     """Transformer layers of this rank."""
     has_output_layer: bool = False
+    dense_chunks: list = dataclasses.field(default_factory=list)
+    """Per model chunk, its replicated parameters in megatron DDP's order: (elements, whether
+    it is a pipeline-shared embedding weight, which DDP puts in a bucket of its own)."""
+    expert_chunks: list = dataclasses.field(default_factory=list)
+    """The same for the routed-expert parameters."""
+
+
+def ddp_buffer_layout(params: list[tuple[int, bool]], dp: int, distributed_optimizer: bool,
+                      bucket_size: Optional[int]) -> tuple[list[tuple[int, int]],
+                                                           list[tuple[int, int]]]:
+    """Where megatron-core's DDP (0.16, ``_ParamAndGradBuffer``) puts each parameter in one
+    gradient buffer: ``(bucket ranges, parameter ranges)`` in elements, parameters in the order
+    given (DDP fills the buffer from the last one). With the distributed optimizer every
+    parameter starts at a multiple of 64 elements and every bucket ends at a multiple of
+    lcm(dp, 128), so that it splits into equal shards; a pipeline-shared embedding weight gets
+    a bucket of its own; a bucket closes once it holds ``bucket_size`` elements (None: one
+    bucket)."""
+    def pad(n: int, divisor: int) -> int:
+        return -(-n // divisor) * divisor
+
+    buckets: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int]] = [(0, 0)] * len(params)
+    bucket_start = start = 0
+    in_bucket = 0
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, in_bucket
+        if distributed_optimizer:
+            end = pad(end, math.lcm(dp, 128))
+        buckets.append((bucket_start, end))
+        bucket_start, in_bucket = end, 0
+        return end
+
+    for index in reversed(range(len(params))):
+        numel, shared = params[index]
+        if distributed_optimizer:
+            start = pad(start, 64)
+        own_bucket = shared and distributed_optimizer
+        if own_bucket and in_bucket:
+            start = close(start)
+        ranges[index] = (start, start + numel)
+        in_bucket += 1
+        end = start + numel
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            start = close(end)
+        else:
+            start = end
+    if in_bucket:
+        close(start)
+    return buckets, ranges
+
+
+def optimizer_shard_elements(buckets: list[tuple[int, int]], ranges: list[tuple[int, int]],
+                             dp: int) -> list[int]:
+    """Per data-parallel rank, the parameter elements whose optimizer state the distributed
+    optimizer keeps there: each bucket is cut into ``dp`` equal shards, and a rank holds state
+    for the parts of parameters inside its shards (not for padding)."""
+    held = [0] * dp
+    for bucket_start, bucket_end in buckets:
+        size = (bucket_end - bucket_start) // dp
+        inside = [(start, end) for start, end in ranges
+                  if start < bucket_end and end > bucket_start]
+        for rank in range(dp):
+            lo = bucket_start + rank * size
+            hi = lo + size
+            held[rank] += sum(max(0, min(hi, end) - max(lo, start)) for start, end in inside)
+    return held
+
+
+def ddp_bucket_size(cfg: RunConfig, dp: int) -> Optional[int]:
+    """megatron-core DDP's bucket size for the first model chunk of the first pipeline stage,
+    dense and expert buffers alike: max(40M, 1M x dp) elements, dp the data-parallel size
+    without context parallelism, with ``optim.overlap_grad_reduce``; else one bucket (later
+    chunks and stages always have one)."""
+    return max(40_000_000, 1_000_000 * dp) if cfg.optim.overlap_grad_reduce else None
+
+
+def buffer_elements(counted: StageParams, cfg: RunConfig, stage: int, dp: int, cp: int,
+                    expert_dp: int, bucket_size: Optional[int] = None) -> tuple[int, int]:
+    """(gradient-buffer elements, optimizer-state parameter elements) of one rank of the stage:
+    every chunk's dense buffer (sharded over the dp x cp ranks) and expert buffer (over the
+    ``expert_dp`` ranks) laid out as megatron's DDP lays them out (:func:`ddp_buffer_layout`).
+    The state is that of the data-parallel rank holding the most, summed over the chunks (and
+    over the dense and expert buffers: the most of each, an upper bound by a few padding
+    elements when both are sharded); without the distributed optimizer it covers every
+    parameter. ``bucket_size`` replaces :func:`ddp_bucket_size` (tests)."""
+    distributed_optimizer = cfg.optim.use_distributed_optimizer
+    grads = state = 0
+    for params_of_chunks, shards in ((counted.dense_chunks, dp * cp),
+                                     (counted.expert_chunks, expert_dp)):
+        held = [0] * shards
+        for chunk_index, params in enumerate(params_of_chunks):
+            if not params:
+                continue
+            size = None
+            if stage == 0 and chunk_index == 0:
+                size = bucket_size if bucket_size is not None else ddp_bucket_size(cfg, dp)
+            buckets, ranges = ddp_buffer_layout(params, shards, distributed_optimizer, size)
+            grads += buckets[-1][1]
+            if distributed_optimizer:
+                held = [a + b for a, b in zip(held, optimizer_shard_elements(buckets, ranges,
+                                                                             shards))]
+            else:
+                held = [a + sum(numel for numel, _ in params) for a in held]
+        state += max(held)
+    return grads, state
 
 
 def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams]:
@@ -73,11 +180,17 @@ def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams
                 gpt = unwrap(chunk)
                 counted.layers += len(gpt.decoder.layers)
                 counted.has_output_layer |= bool(gpt.post_process)
+                dense, expert = [], []
                 for param in chunk.parameters():
+                    entry = (param.numel(), bool(getattr(param, "shared_embedding", False)))
                     if getattr(param, "allreduce", True):
                         counted.dense += param.numel()
+                        dense.append(entry)
                     else:
                         counted.expert += param.numel()
+                        expert.append(entry)
+                counted.dense_chunks.append(dense)
+                counted.expert_chunks.append(expert)
             stages.append(counted)
         finally:
             distributed._SEQUENCE_PARALLEL = saved_sp
@@ -236,24 +349,29 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
     # optimizer: fp32 master copy (16-bit models) + Adam's two moments, sharded over
     # (expert) data-parallel ranks by the distributed optimizer
     per_param_state = (4 if dtype_bytes != 4 else 0) + 8
+    if dtype_bytes != 4 and cfg.optim.grad_reduce_dtype != "float32":
+        per_param_state += 4  # the float32 copy of the 16-bit gradient shard at each step
     reference = 0.0 if cfg.algo.kl_coef <= 0 or cfg.algo.reference_offload else 1.0
     rollout = vllm_bytes(hf_config, cfg, total["total_params"], gpu_bytes, dtype_bytes)
     per_stage = []
+    # gradient buffers: float32, or the parameters' dtype with optim.grad_reduce_dtype=bfloat16
+    grad_bytes = 4 if cfg.optim.grad_reduce_dtype == "float32" else dtype_bytes
     for index, counted in enumerate(stages):
         numel = counted.dense + counted.expert
-        if cfg.optim.use_distributed_optimizer:
-            # sharded over the data-parallel ranks with their context-parallel peers
-            optim = per_param_state * (counted.dense / (dp * par.context_parallel_size)
-                                       + counted.expert / expert_dp)
-        else:
-            optim = per_param_state * numel
+        # the distributed optimizer shards the state over the data-parallel ranks (with their
+        # context-parallel peers for the dense parameters), bucket by bucket
+        grad_elements, state_elements = buffer_elements(
+            counted, cfg, index, dp, par.context_parallel_size, expert_dp)
+        optim = per_param_state * state_elements
         act = activation_bytes(hf_config, cfg, tokens, index, dtype_bytes, spec)
         chosen = act["with_recompute" if cfg.model.recompute_activations
                      else "without_recompute"]
         logits = (logits_bytes(hf_config, cfg, tokens, padded_vocab, dtype_bytes)
                   if counted.has_output_layer else 0.0)
-        params, grads = numel * dtype_bytes, numel * 4
-        ref = reference * params
+        # the distributed optimizer moves the weights into a buffer laid out as the gradients'
+        grads = grad_elements * grad_bytes
+        params = (grad_elements if cfg.optim.use_distributed_optimizer else numel) * dtype_bytes
+        ref = reference * numel * dtype_bytes
         sleeping = 0.0 if cfg.rollout.enable_sleep_mode else rollout["budget"]
         train_peak = (params + grads + optim + chosen + logits + ref + sleeping
                       + CUDA_CONTEXT_GIB * GIB)
@@ -394,7 +512,7 @@ def format_plan(result: dict) -> str:
     rows = [("layers", lambda s: str(s["layers"])),
             ("parameters (elements)", lambda s: f"{s['params'] / 1e9:.3f}B"),
             ("weights", lambda s: gib(s["param_bytes"])),
-            ("gradients (fp32 buffer)", lambda s: gib(s["grad_bytes"])),
+            ("gradient buffers", lambda s: gib(s["grad_bytes"])),
             ("optimizer state", lambda s: gib(s["optimizer_bytes"])),
             ("activations, no recompute", lambda s: gib(s["activation_bytes_without_recompute"])),
             ("activations, full recompute", lambda s: gib(s["activation_bytes_with_recompute"])),

@@ -18,14 +18,16 @@ logger = logging.getLogger(__name__)
 
 def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool,
              overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-             grad_reduce_in_fp32: bool = True) -> list[torch.nn.Module]:
+             grad_reduce_in_fp32: bool = True,
+             bucket_size: "int | None" = None) -> list[torch.nn.Module]:
     """megatron-core DDP around each chunk (contiguous grad buffers, DP gradient reduction).
     Tied embeddings across pipeline stages and DP reductions are finalised by
     ``finalize_model_grads`` after the backward passes. ``overlap_grad_reduce`` /
     ``overlap_param_gather`` (the latter only with the distributed optimizer) hand megatron's
     schedule the per-chunk sync functions, as Megatron-LM's training loop does; with the
     parameter gather overlapped, call :meth:`ActorOptimizer.gather_params` before reading the
-    weights outside a forward pass."""
+    weights outside a forward pass. ``bucket_size`` (elements; with ``overlap_grad_reduce``)
+    replaces megatron's default of max(40M, 1M x data-parallel size)."""
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
 
@@ -33,7 +35,7 @@ def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool,
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
-        use_distributed_optimizer=use_distributed_optimizer)
+        use_distributed_optimizer=use_distributed_optimizer, bucket_size=bucket_size)
     wrapped = []
     for index, chunk in enumerate(chunks):
         wrapped.append(DistributedDataParallel(

@@ -21,16 +21,18 @@ from rlep_megatron.platform.megatron_shim import (
     install_megatron_cpu_shim, megatron_moe_without_te)
 from rlep_megatron.platform.cpu_torch import CpuRNGStatesTracker
 from rlep_megatron.platform.vllm_cpu import (
-    refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels, remove_stale_vllm_cpu_shm,
-    remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly, vllm_cpu_engine_settings)
+    name_vllm_cpu_shm_per_job, refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels,
+    remove_stale_vllm_cpu_shm, remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly,
+    vllm_cpu_engine_settings, vllm_cpu_shm_job_token)
 
 __all__ = [
     "DEVICE_MODES", "TRANSFORMER_ENGINE_MODES", "CpuRNGStatesTracker", "DeviceError", "Platform",
     "choose_device", "cuda_available", "fused_softmax_available", "install_megatron_cpu_shim",
-    "megatron_config_overrides", "megatron_moe_without_te", "nvidia_gpus",
+    "megatron_config_overrides", "megatron_moe_without_te", "name_vllm_cpu_shm_per_job",
+    "nvidia_gpus",
     "quiet_megatron_accelerator_warnings", "refresh_vllm_cpu_embedding_kernels",
     "refresh_vllm_cpu_moe_kernels", "remove_stale_vllm_cpu_shm",
     "remove_truncated_inductor_binaries", "report_layer_spec", "run_vllm_cpu_helpers_eagerly",
     "select_platform", "transformer_engine_status", "use_transformer_engine",
-    "vllm_cpu_engine_settings", "_gpus_hidden_on_purpose", "_nvidia_driver_version",
+    "vllm_cpu_engine_settings", "vllm_cpu_shm_job_token", "_gpus_hidden_on_purpose", "_nvidia_driver_version",
     "_vllm_is_cpu_build"]

@@ -76,6 +76,7 @@ def vllm_cpu_engine_settings(max_model_len: int) -> dict:
     remove_stale_vllm_cpu_shm()
     remove_truncated_inductor_binaries()
     run_vllm_cpu_helpers_eagerly()
+    name_vllm_cpu_shm_per_job()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return {"gpu_memory_utilization": 0.2, "enforce_eager": True,
             "enable_chunked_prefill": False,
@@ -116,6 +117,45 @@ def run_vllm_cpu_helpers_eagerly() -> list[str]:
     return replaced
 
 
+def vllm_cpu_shm_job_token() -> str:
+    """A name for this job that all its ranks share and that a concurrent job on the same host
+    does not: torchrun's master port and run id (a fresh uuid with ``--standalone``), or this
+    process id without torchrun."""
+    import os
+    import re
+
+    port, run_id = os.environ.get("MASTER_PORT"), os.environ.get("TORCHELASTIC_RUN_ID")
+    token = f"{port}-{run_id}" if port or run_id else f"pid{os.getpid()}"
+    return "rlep-" + re.sub(r"[^A-Za-z0-9_.-]", "_", token)[:64]
+
+
+def name_vllm_cpu_shm_per_job() -> bool:
+    """Prefix the shared-memory files of vLLM's CPU tensor-parallel communicator with
+    :func:`vllm_cpu_shm_job_token`. vLLM names them by ``VLLM_DIST_IDENT``, which is the same for
+    every in-process (``external_launcher``) engine, and by the group's ranks: two jobs with the
+    same rollout layout on one host (``rlep demo --jobs`` with ``--nproc 2``, two users) would
+    ask for the same exclusive files and the second would fail with "create shm in SHMManager
+    failed. errno: 17". Idempotent; a vLLM without that naming function is left as it is.
+    Returns whether the naming was replaced now."""
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:
+        return False
+    shm_class = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    original = getattr(shm_class, "make_group_name", None)
+    if original is None or getattr(original, "_rlep_job_token", False):
+        return False
+
+    def make_group_name(communicator) -> str:
+        # vLLM's own name starts with "//" under external_launcher (its identifier is the tail
+        # of "env://"): shm_open skips leading slashes only, so none may follow the prefix
+        return f"{vllm_cpu_shm_job_token()}-{original(communicator)}".replace("/", "")
+
+    make_group_name._rlep_job_token = True
+    shm_class.make_group_name = staticmethod(make_group_name)
+    return True
+
+
 def remove_stale_vllm_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
     """Remove the shared-memory files of vLLM's CPU tensor-parallel communicator that no live
     process maps. vLLM names them by the ranks of the group only (``...-[0-1]-cpushm_0``), and
@@ -143,6 +183,8 @@ def remove_stale_vllm_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
                 removed.append(path)
             except FileNotFoundError:
                 pass  # another rank of this job removed it
+            except PermissionError:
+                pass  # another user's (whose maps this process cannot read): theirs to remove
     if removed:
         logger.warning("removed %d stale vLLM CPU shared-memory file(s) of an earlier job: %s",
                        len(removed), ", ".join(sorted(removed)))

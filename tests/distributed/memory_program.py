@@ -1,9 +1,10 @@
 """Torchrun program for the planner's tests (``rlep plan``), two modes:
 
-* ``--state``: build the actor at ``--tp/--pp/--ep`` from a config.json (random weights), wrap
-  it in megatron's DDP with the distributed optimizer, take one optimizer step, and write each
+* ``--state``: build the actor at ``--tp/--pp/--ep/--cp`` from a config.json (random weights),
+  wrap it in megatron's DDP with the distributed optimizer (``--bucket-size``: gradient buckets
+  of that many elements), take one optimizer step, and write each
   rank's pipeline stage and what it really holds: parameter elements (replicated / expert),
-  gradient-buffer elements, and optimizer-state elements (Adam moments and float32 main
+  gradient-buffer and parameter-buffer elements, and optimizer-state elements (Adam moments and float32 main
   copies), from the tensors themselves.
 * ``--activations TOKENS``: one rank; the bytes of every tensor autograd saves for the backward
   in one forward pass of a TOKENS-token sequence (``saved_tensors_hooks``, each storage counted
@@ -41,8 +42,13 @@ def state_counts(chunks, optimizer) -> dict:
     main = sum(int(p.numel()) for inner in optimizer.torch_optimizers()
                for group in inner.param_groups for p in group["params"]
                if p.dtype == torch.float32) if chunks_dtype(chunks) != torch.float32 else 0
+    # with the distributed optimizer the weights live in DDP's padded parameter buffers
+    weights = sum(buffer.param_data.numel() for chunk in chunks
+                  for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers)
+                  if buffer.param_data is not None)
     return {"stage": ps.get_pipeline_model_parallel_rank(), "dense": dense, "expert": expert,
-            "grad_elements": grads, "optimizer_elements": state + main}
+            "grad_elements": grads, "param_buffer_elements": weights,
+            "optimizer_elements": state + main}
 
 
 def chunks_dtype(chunks):
@@ -58,6 +64,8 @@ def main():
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--state", action="store_true")
+    parser.add_argument("--bucket-size", type=int, default=None,
+                        help="gradient buckets of this many elements (overlapped reduction)")
     parser.add_argument("--activations", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -76,7 +84,8 @@ def main():
         from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 
         optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, use_distributed_optimizer=True)
-        chunks = wrap_ddp(chunks, True)
+        chunks = wrap_ddp(chunks, True, overlap_grad_reduce=args.bucket_size is not None,
+                          bucket_size=args.bucket_size)
         optimizer = build_optimizer(chunks, optim_cfg, torch.float32)
         optimizer.create_state()  # Adam's state exists after a first step
         counts = [None] * torch.distributed.get_world_size()

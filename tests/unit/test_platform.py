@@ -291,3 +291,42 @@ def test_vllm_cpu_helpers_run_uncompiled_and_count_like_a_loop():
     expected = [sum(1 for v in row if v >= value) for row, value in
                 zip(x.tolist(), values[:, 0].tolist())]
     assert sampler.batched_count_greater_than(x, values).tolist() == expected
+
+
+@needs_cpu_only
+def test_vllm_cpu_shm_names_differ_between_jobs_and_agree_within_one(monkeypatch):
+    """vLLM's CPU tensor-parallel shared-memory files carry the job's token: the ranks of one
+    job (same torchrun master port and run id) get one name per group, a concurrent job with the
+    same layout another (vLLM's own name is the same for both: 'errno: 17' for the second); the
+    name is one shm_open accepts (vLLM's own starts with '//', which only leads harmlessly)."""
+    import types
+    from _posixshmem import shm_open, shm_unlink
+
+    pytest.importorskip("vllm")
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm_class = cpu_communicator._CPUSHMDistributed
+    saved = shm_class.__dict__["make_group_name"]
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")  # what every external_launcher engine gets
+    group = types.SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
+    vllm_name = shm_class.make_group_name(group)
+    try:
+        platform.name_vllm_cpu_shm_per_job()
+        assert platform.name_vllm_cpu_shm_per_job() is False  # idempotent
+        names = {}
+        for job, port, run_id in (("a", "29500", "9f1c"), ("a", "29500", "9f1c"),
+                                  ("b", "29501", "77d0")):
+            monkeypatch.setenv("MASTER_PORT", port)
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+            name = shm_class.make_group_name(group)
+            assert name.endswith(vllm_name.lstrip("/")) and "/" not in name
+            names.setdefault(job, set()).add(name)
+        assert len(names["a"]) == 1 and len(names["b"]) == 1 and names["a"] != names["b"]
+        shm_name = next(iter(names["b"])) + f"_test{os.getpid()}"  # as vLLM's C++ opens it
+        os.close(shm_open(shm_name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        shm_unlink(shm_name)
+        monkeypatch.delenv("MASTER_PORT")
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert f"pid{os.getpid()}" in shm_class.make_group_name(group)
+    finally:
+        shm_class.make_group_name = saved
