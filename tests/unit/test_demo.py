@@ -56,9 +56,10 @@ def test_table_and_plot(tmp_path):
     table = comparison_table(summary)
     assert "over 2 seeds" in table
     assert "best validation mean@8" in table and "58.0% (sd 2.8, 56.0-60.0)" in table
-    assert "steps to the baseline's best mean (58.0%)" in table
+    assert "steps for the mean curve to reach the baseline's peak (58.0%)" in table
     lines = {line.split("  ")[0]: line for line in table.splitlines()}
-    assert lines["steps to the baseline's best mean (58.0%)"].split()[-2:] == ["8", "4"]
+    reach = lines["steps for the mean curve to reach the baseline's peak (58.0%)"]
+    assert reach.split()[-2:] == ["8", "4"]
     assert lines["optimizer steps per training step"].split()[-2:] == ["8.00", "9.00"]
     # a third arm gets its own column, in the order asked
     summary["arm_names"] = ["baseline", "rlep", "online"]
@@ -157,7 +158,7 @@ def test_paired_differences_area_and_verdict_worked_by_hand():
     assert best["values"] == pytest.approx([0.02, 0.04])
     half = t_quantile(0.975, 1) * statistics.stdev([0.02, 0.04]) / 2 ** 0.5
     assert (best["low"], best["high"]) == pytest.approx((0.03 - half, 0.03 + half))
-    # steps to the baseline's mean best (0.58): baseline seed 1 at 8, seed 2 never (counted
+    # steps to the peak of the baseline's mean curve (0.58): baseline seed 1 at 8, seed 2 never (counted
     # at 8 + 4 = 12); RLEP seed 1 at 4, seed 2 at 4 -> differences -4 and -8
     to_best = paired["differences"]["to_best"]
     assert to_best["values"] == [-4, -8]
