@@ -132,7 +132,8 @@ def test_equal_prompts_split_evenly_and_a_lone_prompt_leaves_a_replica_empty():
 def test_only_the_expected_reload_warnings_are_dropped(monkeypatch, caplog):
     """At every weight sync vLLM warns that the rotary embedding (and a tied LM head) received
     no weights: expected, dropped; another layer without weights is still reported (once per
-    process, as every vLLM warning), and RLEP_SHOW_ALL_WARNINGS=1 keeps everything."""
+    process, as every vLLM warning; an info line once per format), and
+    RLEP_SHOW_ALL_WARNINGS=1 keeps everything."""
     from rlep_megatron.rollout import engine
     import logging
 
@@ -155,6 +156,14 @@ def test_only_the_expected_reload_warnings_are_dropped(monkeypatch, caplog):
     assert warned(True, "QKVParallelLinear")
     assert len(logger.filters) == 2  # one of each, not stacked per engine
     assert warned(True, "QKVParallelLinear") is False  # a repeated warning is printed once
+    # an info line of every weight sync: its first time only, whatever its numbers
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        for seconds in (0.16, 0.06, 0.06):
+            logger.info("Reloading and processing weights took %.2f seconds", seconds)
+        logger.info("another info line")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Reloading and processing weights took 0.16 seconds", "another info line"]
     logger.filters.clear()
     monkeypatch.setenv("RLEP_SHOW_ALL_WARNINGS", "1")
     assert warned(True, "RotaryEmbedding")
