@@ -34,19 +34,26 @@ PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}
 class StageParams:
     """Parameters held by one rank of a pipeline stage (all its virtual chunks)."""
 
-    dense: int = 0
-    """Elements of parameters replicated over data-parallel ranks."""
-    expert: int = 0
-    """Elements of routed-expert parameters (replicated over the expert data-parallel
-    ranks)."""
     layers: int = 0
     """Transformer layers of this rank."""
     has_output_layer: bool = False
     dense_chunks: list = dataclasses.field(default_factory=list)
-    """Per model chunk, its replicated parameters in megatron DDP's order: (elements, whether
-    it is a pipeline-shared embedding weight, which DDP puts in a bucket of its own)."""
+    """Per model chunk, its parameters replicated over data-parallel ranks, in megatron DDP's
+    order: (elements, whether it is a pipeline-shared embedding weight, which DDP puts in a
+    bucket of its own)."""
     expert_chunks: list = dataclasses.field(default_factory=list)
-    """The same for the routed-expert parameters."""
+    """The same for the routed-expert parameters (replicated over the expert data-parallel
+    ranks)."""
+
+    @property
+    def dense(self) -> int:
+        """Elements of parameters replicated over data-parallel ranks."""
+        return sum(numel for chunk in self.dense_chunks for numel, _ in chunk)
+
+    @property
+    def expert(self) -> int:
+        """Elements of routed-expert parameters."""
+        return sum(numel for chunk in self.expert_chunks for numel, _ in chunk)
 
 
 def ddp_buffer_layout(params: list[tuple[int, bool]], dp: int, distributed_optimizer: bool,
@@ -183,12 +190,7 @@ def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams
                 dense, expert = [], []
                 for param in chunk.parameters():
                     entry = (param.numel(), bool(getattr(param, "shared_embedding", False)))
-                    if getattr(param, "allreduce", True):
-                        counted.dense += param.numel()
-                        dense.append(entry)
-                    else:
-                        counted.expert += param.numel()
-                        expert.append(entry)
+                    (dense if getattr(param, "allreduce", True) else expert).append(entry)
                 counted.dense_chunks.append(dense)
                 counted.expert_chunks.append(expert)
             stages.append(counted)

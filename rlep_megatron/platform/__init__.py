@@ -34,5 +34,5 @@ __all__ = [
     "refresh_vllm_cpu_moe_kernels", "remove_stale_vllm_cpu_shm",
     "remove_truncated_inductor_binaries", "report_layer_spec", "run_vllm_cpu_helpers_eagerly",
     "select_platform", "transformer_engine_status", "use_transformer_engine",
-    "vllm_cpu_engine_settings", "vllm_cpu_shm_job_token", "_gpus_hidden_on_purpose", "_nvidia_driver_version",
-    "_vllm_is_cpu_build"]
+    "vllm_cpu_engine_settings", "vllm_cpu_shm_job_token", "_gpus_hidden_on_purpose",
+    "_nvidia_driver_version", "_vllm_is_cpu_build"]

@@ -117,7 +117,7 @@ class _WarnOnce(logging.Filter):
     """A vLLM warning is printed the first time its text appears only (the CPU backend, for
     one, repeats its thread-binding notice at every weight sync), and a vLLM info line the
     first time its format appears only (every weight sync logs "Reloading and processing
-    weights took %.2f seconds" and "Successfully reset prefix cache": 60 of a 30-step tiny
+    weights took %.2f seconds" and "Successfully reset prefix cache": 61 of a 30-step tiny
     run's 139 log lines)."""
 
     def __init__(self):
