@@ -307,9 +307,13 @@ class AlgoConfig:
     pass and routes every update of that mini-batch through them (the gate weights still come
     from the live router logits, so the router learns); the updates then change the experts'
     weights but not which experts each token uses (:mod:`rlep_megatron.actor.routing`).
-    ``rollout`` (route through the inference engine's choice) is not available yet: it needs
-    vLLM's returned routed experts, which its CPU backend cannot give. ``off``: the routers
-    choose in every pass."""
+    ``rollout`` routes the old-log-prob pass and every update through the experts the
+    inference engine chose for each fresh token (:mod:`rlep_megatron.rollout.routing_capture`;
+    the engine must run its forward eagerly: the CPU backend does, a GPU engine with CUDA
+    graphs is refused), and the actor's own choice where the engine has none (replayed pool
+    answers, each response's last token). ``off``: the routers choose in every pass. Whatever
+    the mode, ``rollout/routing_mismatch_frac`` measures how often the actor's own top-k
+    differs from the engine's."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the load-balancing auxiliary loss (the Switch
     Transformer's ``E x sum_e f_e P_e`` per MoE layer and micro-batch over its real tokens:
@@ -347,12 +351,6 @@ class AlgoConfig:
         for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             if getattr(self, key) < 0:
                 raise ValueError(f"algo.{key} must be >= 0 (0: off), got {getattr(self, key)}")
-        if self.routing_replay == "rollout":
-            raise ValueError("algo.routing_replay=rollout is not available yet: it needs the "
-                             "engine's routed experts (vLLM's enable_return_routed_experts, "
-                             "which vLLM 0.32 serves only from its Triton-based V2 model "
-                             "runner), which are not wired; use actor (replays the "
-                             "old-log-prob pass's routing in the updates) or off")
         if self.rollout_correction_threshold <= 1:
             raise ValueError("algo.rollout_correction_threshold must be > 1 (tokens are kept "
                              f"within [1/C, C]), got {self.rollout_correction_threshold}")

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from rlep_megatron import distributed, faults, platform
@@ -56,6 +57,7 @@ class Sample:
     acc: bool = False
     reward: float = 0.0
     advantage: float = 0.0
+    routing: Optional[np.ndarray] = None  # a fresh MoE response: the engine's experts
 
 
 @dataclass
@@ -257,16 +259,20 @@ class Trainer:
                                overlap_param_gather=cfg.optim.overlap_param_gather,
                                grad_reduce_in_fp32=cfg.optim.grad_reduce_dtype == "float32")
         self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
-        # algo.routing_replay=actor: the old-log-prob pass's experts, replayed in the updates
+        # a mixture-of-experts actor records its old-log-prob pass's routing (compared with
+        # the engine's for rollout/routing_mismatch_frac); algo.routing_replay=actor replays it
+        # in the updates, =rollout the engine's
+        from rlep_megatron.models import num_experts
+
+        self.moe = bool(num_experts(self.info.hf_config))
+        if cfg.algo.routing_replay != "off" and not self.moe:
+            raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} needs a "
+                             "mixture-of-experts model; this one is dense: use off")
         self.routing_replay = None
-        if cfg.algo.routing_replay == "actor":
+        if self.moe:
             from rlep_megatron.actor.routing import RoutingReplay
-            from rlep_megatron.models import num_experts
 
             self.routing_replay = RoutingReplay(self.chunks)
-            if not num_experts(self.info.hf_config):
-                raise ValueError("algo.routing_replay=actor needs a mixture-of-experts model; "
-                                 "this one is dense: use off")
         self.offload_train_state = cfg.optim.offload_during_rollout and platform.cuda_available()
         if self.offload_train_state and self.info.params_dtype != torch.bfloat16:
             raise ValueError("optim.offload_during_rollout needs model.params_dtype=bfloat16 "
@@ -281,7 +287,15 @@ class Trainer:
         self.offload_train_state_now()
         self.engine = RolloutEngine(
             cfg.model.hf_dir, cfg.rollout, dtype=str(self.info.params_dtype).split(".")[-1],
-            seed=cfg.trainer.seed, max_model_len=self.max_model_len, load_weights=False)
+            seed=cfg.trainer.seed, max_model_len=self.max_model_len, load_weights=False,
+            capture_routing=self.moe)
+        if self.engine.routing_unavailable is not None:
+            if cfg.algo.routing_replay == "rollout":
+                raise ValueError("algo.routing_replay=rollout needs the engine's routing, which "
+                                 f"this engine cannot give: {self.engine.routing_unavailable}; "
+                                 "use actor (replays the old-log-prob pass's routing) or off")
+            logger.warning("rollout/routing_mismatch_frac is not measured: %s",
+                           self.engine.routing_unavailable)
         self.streamer = WeightStreamer(self.chunks, self.info,
                                        cfg.rollout.weight_sync_bucket_bytes)
         self.tokenizer = self.engine.llm.get_tokenizer()
@@ -346,7 +360,7 @@ class Trainer:
             for r in responses:
                 batch.generated_tokens += len(r.token_ids)
                 batch.sequences.append(Sample(group, r.token_ids, r.text, FRESH, r.logprobs,
-                                                r.finish_reason))
+                                                r.finish_reason, routing=r.routing))
         return batch
 
     def _add_replays(self, batch: StepBatch) -> None:
@@ -527,8 +541,12 @@ class Trainer:
                     "pack_max_tokens": budget if self.cfg.trainer.sequence_packing else None}
         temperature = self.cfg.rollout.temperature
         load.skip_rows = torch.tensor(placeholders, dtype=torch.long)  # not routed for real
-        recording = (self.routing_replay.recording(*ids.shape) if self.routing_replay
-                     else contextlib.nullcontext())
+        engine = (self._engine_routing(seqs, placeholders, ids.shape) if self.routing_replay
+                  else None)
+        replay = self.cfg.algo.routing_replay
+        recording = (self.routing_replay.recording(*ids.shape, engine=engine,
+                                                   follow_engine=replay == "rollout")
+                     if engine is not None or replay != "off" else contextlib.nullcontext())
         with recording as routing:  # algo.routing_replay=actor: the experts of this pass
             old = actor_logprobs(self.chunks, self.info, ids, micro, temperature,
                                  everywhere=False, **batching)
@@ -546,8 +564,25 @@ class Trainer:
             yield chosen, placeholder, (
                 ids[rows, :width], mask[rows, :width], old[rows, :width],
                 None if ref is None else ref[rows, :width],
-                None if routing is None else {layer: experts[rows, :width]
-                                              for layer, experts in routing.items()})
+                None if routing is None or self.cfg.algo.routing_replay == "off"
+                else {layer: experts[rows, :width] for layer, experts in routing.items()})
+
+    def _engine_routing(self, seqs: list[Sample], placeholders: list[int], shape
+                        ) -> Optional[dict[int, torch.Tensor]]:
+        """The engine's experts of the pass's sequences in its ``[rows, columns, k]`` frame,
+        per MoE layer of this rank (-1: unknown: replayed pool answers, placeholder rows);
+        ``None`` when the engine gave none."""
+        if not any(s.routing is not None for s in seqs):
+            return None
+        layers = self.routing_replay.layers
+        engine = torch.full((len(layers), *shape, self.routing_replay.topk_size), -1,
+                            dtype=torch.int16)
+        skip = set(placeholders)
+        for row, seq in enumerate(seqs):
+            if seq.routing is not None and row not in skip:
+                experts = torch.from_numpy(seq.routing[:, layers])  # [positions, layers, k]
+                engine[:, row, :len(experts)] = experts.transpose(0, 1)
+        return dict(zip(layers, engine))
 
     def _train_batch(self, seqs: list[Sample], placeholder: bool, tensors, starts: list[int]):
         """A mini-batch's slice on this DP rank as the actor trains it, with the old
@@ -634,7 +669,7 @@ class Trainer:
             "train/old_nll_mean/replay": sums["nll_replay"] / max(sums["tokens_replay"], 1.0),
             "train/old_nll_max/fresh": maxima["nll_max_fresh"],
             "train/old_nll_max/replay": maxima["nll_max_replay"],
-            **load.metrics(),
+            **load.metrics(engine_routing=self.engine.capturing_routing),
         }
         if self.cfg.algo.rollout_correction != "off":
             metrics.update({

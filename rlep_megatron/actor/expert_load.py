@@ -40,6 +40,8 @@ class ExpertLoad:
         self.counts = torch.zeros(self.num_layers, max(self.num_experts, 1), dtype=torch.float64,
                                   device=device)
         self.valid: Optional[torch.Tensor] = None
+        self.routing_match = torch.zeros(2, dtype=torch.float64, device=device)
+        """(token-layer pairs compared with the engine's routing, pairs whose top-k differ)."""
         self.skip_rows: Optional[torch.Tensor] = None
         """Rows of the pass not to count (placeholder rows), or ``None``."""
         self._handles: list = []
@@ -67,6 +69,12 @@ class ExpertLoad:
             self.counts[layer] += routing_map.sum(dim=0).to(torch.float64)
         return count
 
+    def note_routing_match(self, compared: int, differing: int) -> None:
+        """Called by :mod:`rlep_megatron.actor.routing` for every layer's comparison of the
+        actor's top-k with the engine's."""
+        self.routing_match[0] += compared
+        self.routing_match[1] += differing
+
     def totals(self) -> torch.Tensor:
         """``[layers, experts]`` tokens routed to each expert, summed over every rank
         (collective); rows of dense layers are 0."""
@@ -74,19 +82,30 @@ class ExpertLoad:
         distributed.all_reduce(counts, "sum")
         return counts.cpu()
 
-    def metrics(self) -> dict[str, float]:
-        """The step's ``moe/...`` metrics (collective over all ranks; {} for a dense model)."""
+    def metrics(self, engine_routing: bool = False) -> dict[str, float]:
+        """The step's ``moe/...`` metrics (collective over all ranks; {} for a dense model),
+        and with ``engine_routing`` ``rollout/routing_mismatch_frac``: of the (token, layer)
+        pairs whose engine routing is known, the fraction whose top-k expert set the actor's
+        old-log-prob pass chose differently (``rollout/routing_compared`` pairs)."""
         if not self.num_experts:
             return {}
-        counts = self.totals()
+        both = torch.cat([self.counts.flatten(), self.routing_match])
+        distributed.all_reduce(both, "sum")
+        both = both.cpu()
+        counts = both[:-2].view_as(self.counts)
+        compared, differing = float(both[-2]), float(both[-1])
+        out = {}
+        if engine_routing:
+            out = {"rollout/routing_mismatch_frac": differing / max(compared, 1.0),
+                   "rollout/routing_compared": compared}
         routed = counts.sum(dim=1)
         layers = (routed > 0).nonzero().flatten()
         if not len(layers):
-            return {}
+            return out
         ratio = counts[layers].max(dim=1).values / (routed[layers] / self.num_experts)
         worst = int(ratio.argmax())
         return {"moe/load_imbalance": float(ratio[worst]),
-                "moe/load_imbalance_layer": float(layers[worst])}
+                "moe/load_imbalance_layer": float(layers[worst]), **out}
 
 
 ROUTER_LOSSES = (("load_balancing_loss", "moe_aux_loss_coeff", "moe/aux_loss"),

@@ -16,6 +16,14 @@ micro-batch layout of the update (padding, packing, pipeline stages, sequence-pa
 With full activation recompute a layer's forward runs twice per micro-batch (under no_grad, then
 again in backward): the replayed experts of the first run are queued for the second.
 
+The engine's routing (:mod:`rlep_megatron.rollout.routing_capture`), when given to
+:meth:`RoutingReplay.recording`, is compared with the actor's own top-k on every token and layer
+it covers (the ``rollout/routing_mismatch_frac`` counts, kept in the step's
+:class:`~rlep_megatron.actor.expert_load.ExpertLoad`), and with ``follow_engine``
+(``algo.routing_replay=rollout``) it is what the pass routes by and records, wherever it is
+known; elsewhere (replayed pool answers, the last token of a response) the actor's own choice is
+used and recorded.
+
 The hook is megatron-core's own: each router's ``router_replay`` object is asked for the top-k.
 """
 from __future__ import annotations
@@ -98,15 +106,24 @@ class RoutingReplay:
         self.store: dict[int, torch.Tensor] = {}
         self.places: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._queues: dict[int, collections.deque] = {}
+        self.engine: Optional[dict[int, torch.Tensor]] = None
+        self.follow_engine = False
 
     @contextlib.contextmanager
-    def recording(self, num_rows: int, num_columns: int):
+    def recording(self, num_rows: int, num_columns: int,
+                  engine: Optional[dict[int, torch.Tensor]] = None, follow_engine: bool = False):
         """Record every layer's top-k of the forward passes inside into :attr:`store`
-        (``{layer: [rows, columns, k]}``, -1 where no token was routed)."""
+        (``{layer: [rows, columns, k]}``, -1 where no token was routed). ``engine``: the
+        rollout engine's experts in the same frame (-1: unknown), compared with the actor's and,
+        with ``follow_engine``, routed by (module doc)."""
         self.store = {layer: torch.full((num_rows, num_columns, self.topk_size), -1,
                                         dtype=torch.long) for layer in self.layers}
-        with self._active("record"):
-            yield self.store
+        self.engine, self.follow_engine = engine, follow_engine
+        try:
+            with self._active("record"):
+                yield self.store
+        finally:
+            self.engine, self.follow_engine = None, False
 
     @contextlib.contextmanager
     def replaying(self, store: dict[int, torch.Tensor]):
@@ -134,6 +151,10 @@ class RoutingReplay:
                                                   group_topk=group_topk)
             rows, cols = self._places(scores)
             valid = rows >= 0
+            if self.engine is not None and layer in self.engine:
+                indices = self._against_engine(layer, indices, rows, cols, valid)
+                if self.follow_engine:
+                    probs = scores.gather(1, indices)
             self.store[layer][rows[valid], cols[valid]] = indices.cpu()[valid]
             return probs, indices
         if self.recompute and torch.is_grad_enabled():
@@ -143,6 +164,23 @@ class RoutingReplay:
             if self.recompute:
                 self._queues[layer].append(indices)
         return scores.gather(1, indices), indices
+
+    def _against_engine(self, layer, indices, rows, cols, valid):
+        """Count where the actor's top-k set differs from the engine's; with
+        :attr:`follow_engine`, the engine's experts where it has them."""
+        engine = torch.full((rows.numel(), indices.shape[1]), -1, dtype=torch.long)
+        engine[valid] = self.engine[layer][rows[valid], cols[valid]].long()
+        known = (engine >= 0).all(dim=1)
+        if _EXPERT_LOAD is not None and _EXPERT_LOAD.valid is not None:
+            known &= _EXPERT_LOAD.valid.cpu()  # placeholder rows are not compared
+        own = indices.cpu()
+        differ = (own[known].sort(dim=1).values != engine[known].sort(dim=1).values).any(dim=1)
+        if _EXPERT_LOAD is not None:
+            _EXPERT_LOAD.note_routing_match(int(known.sum()), int(differ.sum()))
+        if not self.follow_engine:
+            return indices
+        own[known] = engine[known]
+        return own.to(indices.device)
 
     def _places(self, scores):
         if self.places is None or self.places[0].numel() != scores.shape[0]:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 
 from rlep_megatron import platform
@@ -49,6 +50,9 @@ class Response:
     logprobs: list[float]        # vLLM's log-prob of each sampled token (at the temperature)
     text: str
     finish_reason: str           # "stop" (EOS / stop token) or "length"
+    routing: Optional[np.ndarray] = None
+    """Mixture-of-experts engines with routing capture: ``[prompt + response, layers, k]``
+    expert ids per position (-1: none; :mod:`rlep_megatron.rollout.routing_capture`)."""
 
     @property
     def length(self) -> int:
@@ -164,8 +168,13 @@ def _quiet_expected_reload_warnings(tied_embeddings: bool) -> None:
 class RolloutEngine:
     """One vLLM engine replica per rollout group; collective over the whole world."""
 
+    capturing_routing = False
+    routing_unavailable: Optional[str] = None
+    """Why the engine's routing is not captured although asked for, or ``None``."""
+
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, dtype: str = "auto",
-                 seed: int = 0, max_model_len: int = 4096, load_weights: bool = True):
+                 seed: int = 0, max_model_len: int = 4096, load_weights: bool = True,
+                 capture_routing: bool = False):
         if not torch.distributed.is_initialized():
             raise RuntimeError("RolloutEngine needs torch.distributed initialised first "
                                "(rlep_megatron.distributed.init_process_group)")
@@ -214,10 +223,24 @@ class RolloutEngine:
             worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
         )
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+        if capture_routing:
+            self._start_routing_capture(hf_config)
         # again for the vLLM modules the engine imported
         _quiet_expected_reload_warnings(tied)
         logger.info("rollout engine ready in %.1fs (rollout TP=%d, replicas=%d)",
                     time.perf_counter() - started, tp, self.dp_size)
+
+    def _start_routing_capture(self, hf_config: dict) -> None:
+        from rlep_megatron.models import num_experts
+
+        if not num_experts(hf_config):
+            raise ValueError("engine routing capture needs a mixture-of-experts model; "
+                             f"{hf_config.get('architectures')} is dense")
+        [why] = self.llm.collective_rpc(
+            "rlep_capture_routing",
+            args=(int(hf_config["num_hidden_layers"]), int(hf_config["num_experts_per_tok"])))
+        self.capturing_routing = why is None
+        self.routing_unavailable = why
 
     # ------------------------------------------------------------------ generation
 
@@ -262,9 +285,16 @@ class RolloutEngine:
                                        request_seed(seed, i, n)) for i in mine]
         local: list[list[Response]] = []
         if requests:  # an empty share skips the engine: no other replica waits on it
+            if self.capturing_routing:
+                self.llm.collective_rpc("rlep_routing_arm")
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-            for index, output in zip(mine, outputs):
-                local.append([_response(index, completion) for completion in output.outputs])
+            routes = (self.llm.collective_rpc("rlep_routing_take")[0] if self.capturing_routing
+                      else {})
+            for index, output, request in zip(mine, outputs, params):
+                local.append([_response(index, completion,
+                                        routes.get(request.seed + completion.index),
+                                        len(prompts[index]))
+                              for completion in output.outputs])
         return self._all_gather(local, len(prompts))
 
     def _all_gather(self, local: list[list[Response]], num_prompts: int
@@ -366,12 +396,15 @@ class RolloutEngine:
             self.wake_up()
 
 
-def _response(index: int, completion) -> Response:
+def _response(index: int, completion, routing=None, prompt_length: int = 0) -> Response:
     token_ids = list(completion.token_ids)
     entries = completion.logprobs or []
     logprobs = [entry[token].logprob for entry, token in zip(entries, token_ids)]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for "
                            f"{len(token_ids)} sampled tokens")
+    if routing is not None and len(routing) != prompt_length + len(token_ids):
+        raise RuntimeError(f"engine routing capture: {len(routing)} positions for a prompt of "
+                           f"{prompt_length} and a response of {len(token_ids)} tokens")
     return Response(index, token_ids, logprobs, completion.text,
-                    completion.finish_reason or "length")
+                    completion.finish_reason or "length", routing)

@@ -3,7 +3,7 @@ its worker; methods are prefixed ``rlep_`` so they never shadow vLLM's own, e.g.
 ``update_weights``)."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -20,5 +20,25 @@ class RolloutWorkerExtension:
         tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings",
                             False))
         model = self.model_runner.get_model()
+        capture = getattr(self, "_rlep_routing", None)
+        if capture is not None:
+            capture.reset_prefixes()  # the caller resets the prefix cache too
         return (platform.refresh_vllm_cpu_embedding_kernels(model, tied)
                 + platform.refresh_vllm_cpu_moe_kernels(model))
+
+    def rlep_capture_routing(self, num_layers: int, topk: int) -> Optional[str]:
+        """Start capturing each request's routed experts
+        (:mod:`rlep_megatron.rollout.routing_capture`); returns ``None``, or why this engine
+        cannot."""
+        from rlep_megatron.rollout.routing_capture import RoutingCapture, capture_supported
+
+        why = capture_supported(self.model_runner)
+        if why is None:
+            self._rlep_routing = RoutingCapture(self.model_runner, num_layers, topk)
+        return why
+
+    def rlep_routing_arm(self) -> None:
+        self._rlep_routing.arm()
+
+    def rlep_routing_take(self) -> dict:
+        return self._rlep_routing.take()

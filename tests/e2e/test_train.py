@@ -149,12 +149,13 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
                                                               tmp_path):
     """The tiny Qwen3-MoE (8 experts, top-2) on 2 ranks with its experts split over EP=2
     (dense parts DP=2, distributed optimizer: the chained dense / expert optimizers), two
-    rollout replicas, routing replay (algo.routing_replay=actor), the load-balancing loss on
-    (EP ranks with fewer micro-batches run fillers): contract metrics finite, the
-    engine agrees with the actor on every fresh token, and step 3 redone from the step-2
-    checkpoint equals the straight run's step 3 in every metric."""
+    rollout replicas, the engine's routing replayed (algo.routing_replay=rollout), the
+    load-balancing loss on (EP ranks with fewer micro-batches run fillers): contract metrics
+    finite, the engine agrees with the actor on every fresh token, in log-probs and in the
+    experts the actor's routers would choose themselves (fp32), and step 3 redone from the
+    step-2 checkpoint equals the straight run's step 3 in every metric."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
-              "parallel.expert_model_parallel_size=2", "algo.routing_replay=actor",
+              "parallel.expert_model_parallel_size=2", "algo.routing_replay=rollout",
               "algo.moe_aux_loss_coeff=0.001"]
     a = straight_equals_resumed(tiny_qwen3_moe_dir, task, common, tmp_path)
     for entry in a[1:]:
@@ -167,6 +168,9 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir
         assert entry["moe/load_imbalance_layer"] in (1.0, 2.0, 3.0)  # layer 0 is dense
         # the load-balancing loss (on, weight 1e-3): between 1 (even) and E / k = 4
         assert 1.0 <= entry["moe/aux_loss"] <= 4.0
+        # every fresh sequence's positions but its last, on each of the 3 MoE layers
+        assert entry["rollout/routing_compared"] >= 3 * 4 * 4 * 20
+        assert entry["rollout/routing_mismatch_frac"] <= 0.01
     assert a[3]["train/grad_norm"] > 0
 
 

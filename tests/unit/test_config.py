@@ -196,7 +196,7 @@ MISTAKES = [  # (override, what the one line must say)
     ("parallel.expert_model_parallel_size=2", "expert_model_parallel_size=2 needs a "
                                               "mixture-of-experts model; this one is dense"),
     ("algo.routing_replay=actor", "algo.routing_replay=actor needs a mixture-of-experts model"),
-    ("algo.routing_replay=rollout", "algo.routing_replay=rollout is not available yet"),
+    ("algo.routing_replay=rollout", "algo.routing_replay=rollout needs a mixture-of-experts"),
 ]
 
 

@@ -50,6 +50,47 @@ def take_step(chunks, optimizer, info, ctx, prompts, responses, seed):
     return train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(), 4096)
 
 
+def routing_check(chunks, info, prompts, responses):
+    """The actor's old-log-prob pass (packed micro-batches) on the engine's samples, its own
+    top-k compared with the experts the engine captured, then the same with the engine's
+    experts shifted one position later (a misaligned replay): mismatch fractions and counts
+    over every rank; and with the engine's routing followed (routing_replay=rollout), whether
+    every token the engine routed was routed the same."""
+    from rlep_megatron.actor.expert_load import ExpertLoad
+    from rlep_megatron.actor.forward import actor_logprobs
+    from rlep_megatron.actor.routing import RoutingReplay
+
+    flat = [r for group in responses for r in group]
+    input_ids, lengths = pad_sequences([prompts[r.prompt_index] + r.token_ids for r in flat],
+                                       pad_id=PAD)
+    replay = RoutingReplay(chunks)
+    engine = {layer: torch.full((*input_ids.shape, replay.topk_size), -1, dtype=torch.int16)
+              for layer in replay.layers}
+    for row, r in enumerate(flat):
+        for layer in replay.layers:
+            engine[layer][row, :len(r.routing)] = torch.from_numpy(r.routing[:, layer])
+    shifted = {layer: torch.cat([torch.full_like(e[:, :1], -1), e[:, :-1]], dim=1)
+               for layer, e in engine.items()}
+    out = {}
+    for name, store in (("own", engine), ("shifted", shifted), ("followed", engine)):
+        follow = name == "followed"
+        with ExpertLoad(chunks) as load, \
+                replay.recording(*input_ids.shape, engine=store, follow_engine=follow) as used:
+            actor_logprobs(chunks, info, input_ids, micro_batch_size=4, lengths=lengths,
+                           pack_max_tokens=160)
+        metrics = load.metrics(engine_routing=True)
+        out[name] = {"mismatch_frac": metrics["rollout/routing_mismatch_frac"],
+                     "compared": metrics["rollout/routing_compared"]}
+        if follow:
+            differ = torch.tensor([float(any(
+                bool((used[layer][both] != store[layer].long()[both]).any())
+                for layer in replay.layers
+                for both in [(used[layer] >= 0) & (store[layer] >= 0)]))])
+            distributed.all_reduce(differ, "max")
+            out[name]["engine_experts_used"] = differ.item() == 0
+    return out
+
+
 def common_prefix_diffs(before, after):
     """|after - before| of the engine's log-probs on tokens both samplings share."""
     diffs = []
@@ -80,7 +121,8 @@ def main():
     rank = torch.distributed.get_rank()
     cfg = RolloutConfig(num_samples_per_prompt=2, tensor_model_parallel_size=args.rollout_tp,
                         max_response_tokens=20, temperature=1.0)
-    engine = RolloutEngine(args.hf_dir, cfg, dtype=args.dtype, seed=0, max_model_len=128)
+    engine = RolloutEngine(args.hf_dir, cfg, dtype=args.dtype, seed=0, max_model_len=128,
+                           capture_routing=num_experts(hf_config) > 0)
     prompts = [chat(p) for p in PROMPTS]
     report = {"rollout_dp": engine.dp_size, "layouts": {}}
 
@@ -111,6 +153,12 @@ def main():
         streamer = WeightStreamer(chunks, info, args.bucket_bytes)
         entry = {"buckets": len(streamer.buckets), "tensors": len(streamer.names),
                  "device": str(next(chunks[0].parameters()).device)}
+        if engine.capturing_routing:
+            # the checkpoint's routers (Adam's first steps at this lr flatten the tiny model's
+            # routing: most tokens then pick the same experts)
+            sync_weights(engine, streamer)
+            entry["routing"] = routing_check(chunks, info, prompts,
+                                             engine.generate(prompts, seed=61 + number))
         # the engine holds the previous layout's (or the checkpoint's) weights: step away first
         take_step(chunks, optimizer, info, ctx, prompts, first, seed=100 + number)
         entry["sync1"] = sync_weights(engine, streamer)

@@ -79,13 +79,27 @@ def test_qwen3_actor_tp2_rollout_tp2(tmp_path, tiny_qwen3_dir):
     check_layouts(report, ["2x1"])
 
 
-def test_qwen3_moe_actor_ep2_and_tp2_rollout_tp1(tmp_path, tiny_qwen3_moe_dir):
+def test_qwen3_moe_actor_ep2_tp2_pp2_rollout_tp1_and_engine_routing(tmp_path,
+                                                                    tiny_qwen3_moe_dir):
     """Every expert of the tiny Qwen3-MoE into vLLM's MoE layers: from one actor rank, from
-    experts split over 2 EP ranks (all-gathered in the stream) and from TP2 with sequence
-    parallelism (each expert's matrices split over TP), into two rollout replicas."""
-    report = run_program(tmp_path, tiny_qwen3_moe_dir, 2, 1, "1x1,1x1x2,2x1")
+    experts split over 2 EP ranks (all-gathered in the stream), from TP2 with sequence
+    parallelism (each expert's matrices split over TP) and from two pipeline stages, into two
+    rollout replicas. And the experts the engine routed each token to (captured on both
+    replicas), at the checkpoint's weights: in fp32 the actor's routers choose the same on
+    every token and MoE layer (packed micro-batches), the engine's experts one position off
+    disagree on about half, and routing by the engine's experts routes every token the engine
+    routed through them."""
+    report = run_program(tmp_path, tiny_qwen3_moe_dir, 2, 1, "1x1,1x1x2,2x1,1x2")
     check_sampling(report, dp_size=2)
-    check_layouts(report, ["1x1", "1x1x2", "2x1"])
+    check_layouts(report, ["1x1", "1x1x2", "2x1", "1x2"])
+    for name, entry in report["layouts"].items():
+        routing = entry["routing"]
+        # 8 sequences of at least 25 positions on 3 MoE layers, each compared once
+        assert routing["own"]["compared"] >= 8 * 25 * 3, (name, routing)
+        assert routing["own"]["compared"] == routing["followed"]["compared"], (name, routing)
+        assert routing["own"]["mismatch_frac"] <= 0.01, (name, routing)
+        assert routing["shifted"]["mismatch_frac"] >= 0.3, (name, routing)
+        assert routing["followed"]["engine_experts_used"] is True, (name, routing)
 
 
 def test_extension_methods_do_not_shadow_vllm_worker():
