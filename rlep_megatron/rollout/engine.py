@@ -403,8 +403,13 @@ def _response(index: int, completion, routing=None, prompt_length: int = 0) -> R
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for "
                            f"{len(token_ids)} sampled tokens")
-    if routing is not None and len(routing) != prompt_length + len(token_ids):
-        raise RuntimeError(f"engine routing capture: {len(routing)} positions for a prompt of "
-                           f"{prompt_length} and a response of {len(token_ids)} tokens")
+    if routing is not None:
+        # one row per position of prompt + response: an engine that schedules one more
+        # forward after a stop (async scheduling) captured a row past the end
+        length = prompt_length + len(token_ids)
+        routing = routing[:length]
+        if len(routing) < length:
+            routing = np.concatenate([routing, np.full((length - len(routing),
+                                                        *routing.shape[1:]), -1, routing.dtype)])
     return Response(index, token_ids, logprobs, completion.text,
                     completion.finish_reason or "length", routing)

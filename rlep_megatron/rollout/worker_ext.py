@@ -34,7 +34,10 @@ class RolloutWorkerExtension:
 
         why = capture_supported(self.model_runner)
         if why is None:
-            self._rlep_routing = RoutingCapture(self.model_runner, num_layers, topk)
+            try:
+                self._rlep_routing = RoutingCapture(self.model_runner, num_layers, topk)
+            except ValueError as err:  # vLLM's binder refuses e.g. monolithic MoE kernels
+                why = str(err)
         return why
 
     def rlep_routing_arm(self) -> None:

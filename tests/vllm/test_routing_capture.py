@@ -134,3 +134,20 @@ def test_capture_refuses_runners_it_cannot_read():
     assert "CUDA graphs" in capture_supported(graphs)
     graphs.compilation_config.cudagraph_mode = "CUDAGraphMode.NONE"
     assert capture_supported(graphs) is None
+
+
+def test_a_response_gets_one_row_per_position():
+    """An engine that runs one more forward after a stop (async scheduling) captures a row past
+    the response: it is cut; a missing last row is filled with -1."""
+    from types import SimpleNamespace
+
+    from rlep_megatron.rollout.engine import _response
+
+    logprobs = [{token: SimpleNamespace(logprob=-1.0)} for token in (5, 6, 7)]
+    completion = SimpleNamespace(token_ids=[5, 6, 7], logprobs=logprobs, text="x",
+                                 finish_reason="stop")
+    rows = np.arange(9 * LAYERS * TOPK, dtype=np.int16).reshape(9, LAYERS, TOPK)
+    longer = _response(0, completion, rows, prompt_length=5)
+    assert np.array_equal(longer.routing, rows[:8])
+    shorter = _response(0, completion, rows[:7], prompt_length=5)
+    assert np.array_equal(shorter.routing[:7], rows[:7]) and (shorter.routing[7] == -1).all()
