@@ -1,5 +1,6 @@
 """On one GPU (``scripts/gpu_check.sh``; skipped without CUDA): the actor in bf16 against
-transformers (local spec and TransformerEngine, padded and packed), one fp32 train step against
+transformers (local spec and TransformerEngine, padded and packed), Qwen3 and Qwen3-MoE in fp32
+against transformers (local spec), one fp32 train step against
 the transformers + AdamW reference, the same step in bf16 with TransformerEngine, and the
 rollout engine's sleep / wake / sync / generate cycle with parity after the wake.
 
@@ -70,7 +71,7 @@ def actor_logprobs(hf_dir, out, dtype, spec, pack_max_tokens=None, env=None):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("spec", ["local", "te"])
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_bf16_actor_logprobs_match_transformers(arch, spec, packed, request, tmp_path):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     result = actor_logprobs(hf_dir, tmp_path / "logp.pt", "bfloat16", spec,
@@ -80,6 +81,27 @@ def test_bf16_actor_logprobs_match_transformers(arch, spec, packed, request, tmp
     assert diffs.numel() > 50
     assert diffs.mean().item() <= BF16_MEAN and diffs.max().item() <= BF16_MAX, (
         diffs.mean().item(), diffs.max().item())
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_fp32_qwen3_actor_logprobs_match_transformers(arch, packed, request, tmp_path):
+    """Qwen3 (q/k norms, head_dim apart from hidden / heads) and Qwen3-MoE (megatron's MoE
+    layer: the router's softmax top-k, the all-to-all dispatcher, the experts as a loop on the
+    local spec) in fp32 without TF32, at the GPU's fp32 bound; the MoE expert counts are
+    transformers' own routing of the same tokens, so a router that picks other experts on the
+    GPU fails even where the log-probs stay close."""
+    from tests.distributed.test_actor_logprob_parity import hf_expert_counts
+
+    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    result = actor_logprobs(hf_dir, tmp_path / "logp.pt", "float32", "local",
+                            pack_max_tokens=64 if packed else None, env=NO_TF32)
+    reference = hf_token_logprobs(hf_dir, result["input_ids"], result["lengths"])
+    diffs = token_diffs(result["logp"], reference, result["lengths"])
+    assert diffs.numel() > 50 and diffs.max().item() <= 1e-4, diffs.max().item()
+    if arch == "qwen3_moe":
+        assert torch.equal(result["expert_counts"].cpu(), hf_expert_counts(
+            hf_dir, result["input_ids"], result["lengths"]))
 
 
 @pytest.mark.parametrize("spec", ["local", "te"])
