@@ -3,11 +3,21 @@ realistic shape with random weights: tokens/s, model FLOPs utilisation and peak 
 
     python bench/actor_throughput.py                    # Qwen2.5-1.5B-like, bf16, one GPU
     python bench/actor_throughput.py --shape tiny       # a few layers: checks the bench on CPU
+    python bench/actor_throughput.py --logprob-chunk-tokens 0 --recompute
 
 The model is megatron-core's GPTModel built by the trainer's own code (``build_model``: the
 TransformerEngine spec when usable), the loss the trainer's vocab-parallel log-probs of the
-next tokens. MFU counts 6 x parameters x tokens plus attention (6 x layers x sequence x hidden
-per token, causal) against ``--peak-tflops`` (default: 989, an H100 SXM's dense bf16).
+next tokens, computed as the trainer computes them (``--logprob-chunk-tokens``, default the
+trainer's, 0 for the full logits; ``--recompute`` for full activation recompute). MFU counts
+6 x parameters x tokens plus attention (6 x layers x sequence x hidden per token, causal)
+against ``--peak-tflops`` (default: 989, an H100 SXM's dense bf16).
+
+The model is wrapped in megatron's DDP as the trainer wraps it (a float32 gradient buffer
+allocated up front). On a GPU the bench also checks ``rlep plan``'s memory model: what is
+allocated before a step (the weights and the gradient buffer) against the planner's weights +
+gradients, and the step's peak above that (the activations saved for the backward and the
+log-prob step's logits) against the planner's activations + log-prob step for the same shape,
+tokens, layer spec and recompute setting.
 """
 import argparse
 import os
@@ -21,6 +31,10 @@ SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
                          tie_word_embeddings=True),
+    # the published Qwen2.5-7B configuration (untied embeddings, QKV bias, GQA 28/4)
+    "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                       tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=352, vocab_size=320,
                  tie_word_embeddings=True),
@@ -33,6 +47,23 @@ def hf_config(shape: str, seq_len: int) -> dict:
             **SHAPES[shape]}
 
 
+def planned_bytes(config: dict, params: int, tokens: int, dtype, chunk: int,
+                  recompute: bool, spec: str) -> tuple[float, float]:
+    """``rlep plan``'s bytes on one GPU (TP1, PP1): (weights + float32 gradient buffer,
+    one micro-batch's activations saved for the backward + the log-prob step's logits)."""
+    from rlep_megatron import plan
+    from rlep_megatron.config import ModelConfig, RunConfig
+    from rlep_megatron.models import layout
+
+    cfg = RunConfig(model=ModelConfig(logprob_chunk_tokens=chunk))
+    dtype_bytes = dtype.itemsize
+    activations = plan.activation_bytes(config, cfg, tokens, 0, dtype_bytes, spec)
+    vocab = layout.padded_vocab_size(config["vocab_size"], 1)
+    step = (activations["with_recompute" if recompute else "without_recompute"]
+            + plan.logits_bytes(config, cfg, tokens, vocab, dtype_bytes))
+    return params * (dtype_bytes + 4), step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
@@ -43,14 +74,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=None,
+                        help="default: the trainer's model.logprob_chunk_tokens; 0: full logits")
+    parser.add_argument("--recompute", action="store_true",
+                        help="full activation recompute (model.recompute_activations)")
     args = parser.parse_args()
 
     import torch
 
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+
     from rlep_megatron import distributed, platform
-    from rlep_megatron.actor.logprob import vocab_parallel_logprobs
+    from rlep_megatron.actor.logprob import next_token_logprobs
+    from rlep_megatron.actor.optimizer import wrap_ddp
+    from rlep_megatron.actor.packing import run_model
+    from rlep_megatron.config import ModelConfig, ParallelConfig
     from rlep_megatron.models.megatron import build_model
-    from rlep_megatron.config import ParallelConfig
 
     on_gpu = platform.cuda_available()
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
@@ -59,7 +100,12 @@ def main() -> None:
                                     num_attention_heads=config["num_attention_heads"],
                                     num_query_groups=config["num_key_value_heads"],
                                     num_layers=config["num_hidden_layers"])
-    (model,), info = build_model(config, dtype)
+    chunk = (ModelConfig().logprob_chunk_tokens if args.logprob_chunk_tokens is None
+             else args.logprob_chunk_tokens)
+    (model,), info = build_model(config, dtype, recompute_activations=args.recompute)
+    info = dataclasses.replace(info, logprob_chunk_tokens=chunk)
+    (model,) = wrap_ddp([model], use_distributed_optimizer=False)
+    tp_group = ps.get_tensor_model_parallel_group()
     device = next(model.parameters()).device
     params = sum(p.numel() for p in model.parameters())
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -68,10 +114,11 @@ def main() -> None:
     positions = torch.arange(args.seq_len, device=device).unsqueeze(0).expand_as(ids)
 
     def step():
-        logits = model(ids, positions, attention_mask=None)
-        logp, _ = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], info.dims.vocab_size)
+        output = run_model(model, ids, positions, hidden_states=bool(chunk))
+        logp, _ = next_token_logprobs(model, info, output, ids, 0, tp_group, 1.0,
+                                      with_entropy=False)
         (-logp.mean()).backward()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad_buffer()
 
     def sync():
         if on_gpu:
@@ -81,6 +128,7 @@ def main() -> None:
         step()
     sync()
     if on_gpu:
+        before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -93,13 +141,25 @@ def main() -> None:
     achieved = flops_per_token * tokens / seconds / 1e12
     device_name = torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)"
     print(f"device: {device_name}; layer spec: {'TransformerEngine' if info.use_te else 'local'}; "
-          f"{args.shape}: {params / 1e6:,.1f} M parameters, {str(dtype).split('.')[-1]}")
-    print("micro-batch x seq | step (s) | tokens/s | TFLOP/s | MFU | peak memory (GiB)")
-    print("--- | --- | --- | --- | --- | ---")
-    memory = torch.cuda.max_memory_allocated() / 2**30 if on_gpu else float("nan")
+          f"{args.shape}: {params / 1e6:,.1f} M parameters, {str(dtype).split('.')[-1]}; "
+          f"log-prob chunk {chunk or 'off (full logits)'}; recompute {args.recompute}")
+    print("micro-batch x seq | step (s) | tokens/s | TFLOP/s | MFU | peak memory (GiB) | "
+          "before the step (GiB): measured / planner | step above it (GiB): measured / planner")
+    print("--- | --- | --- | --- | --- | --- | --- | ---")
+    planned_static, planned_step = (b / 2**30 for b in planned_bytes(
+        config, params, tokens, dtype, chunk, args.recompute, "te" if info.use_te else "local"))
+    if on_gpu:
+        peak = torch.cuda.max_memory_allocated()
+        memory = f"{peak / 2**30:.1f}"
+        static = f"{before / 2**30:.1f} / {planned_static:.1f}"
+        step = f"{(peak - before) / 2**30:.1f} / {planned_step:.1f}"
+    else:
+        memory = "n/a (CPU)"
+        static = f"n/a / {planned_static:.2f}"
+        step = f"n/a / {planned_step:.2f}"
     mfu = f"{100 * achieved / args.peak_tflops:.1f}%" if on_gpu else "n/a (CPU)"
     print(f"{args.micro_batch} x {args.seq_len} | {seconds:.3f} | {tokens / seconds:,.0f} | "
-          f"{achieved:.1f} | {mfu} | {memory:.1f}")
+          f"{achieved:.1f} | {mfu} | {memory} | {static} | {step}")
     distributed.destroy()
 
 
