@@ -16,6 +16,11 @@ policy before the step's updates, and per mini-batch of ``trainer.mini_batch_siz
 (the EOS included), grad-norm clipping and one AdamW step (no warm-up). M = 0 only (the
 baseline).
 
+``--sampler vllm`` replaces transformers' ``generate`` (training rollouts and validation) by
+the trainer's rollout engine (``RolloutEngine``, vLLM, the model's weights loaded into it before
+every sampling): the loop then differs from ``rlep train`` in its update code and prompt order
+only, which tells a difference of sampler from a difference of training.
+
 Validation every ``trainer.validation_interval_steps`` steps and at the end: ``eval``'s number
 of samples per validation question at its temperature / top-p, the mean accuracy (mean@k).
 Writes ``metrics.jsonl`` (one line per step: ``step``, ``train/acc_mean``, ``val/acc_mean``
@@ -37,10 +42,21 @@ def prompt_ids(tokenizer, messages, max_prompt_tokens):
     return tokenize_prompt(tokenizer, messages, max_prompt_tokens).token_ids
 
 
+ENGINE = None
+"""The rollout engine with ``--sampler vllm``."""
+
+
 def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id, eos_id,
            generator_seed):
     """``n`` sampled responses per prompt (token lists through their EOS, if any)."""
     import torch
+
+    if ENGINE is not None:  # --sampler vllm: the trainer's engine, the model's weights first
+        ENGINE.load_weights((name, p.detach()) for name, p in model.named_parameters())
+        groups = ENGINE.generate(prompts, n, temperature=temperature, top_p=top_p,
+                                 top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
+                                 seed=generator_seed)
+        return [[r.token_ids for r in group] for group in groups]
 
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -107,6 +123,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--sampler", choices=["transformers", "vllm"], default="transformers",
+                        help="vllm: sample with the trainer's rollout engine instead of "
+                             "transformers' generate")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args()
 
@@ -127,6 +146,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_dir, local_files_only=True,
                                                  dtype=torch.float32)
     eos_id = tokenizer.eos_token_id
+    if args.sampler == "vllm":
+        from rlep_megatron import distributed
+        from rlep_megatron.rollout.engine import RolloutEngine
+
+        global ENGINE
+        distributed.init_process_group()
+        ENGINE = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype="float32",
+                               seed=cfg.trainer.seed,
+                               max_model_len=cfg.data.max_prompt_tokens
+                               + cfg.rollout.max_response_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     optim = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
@@ -198,6 +227,8 @@ def main() -> None:
             print(json.dumps(entry), flush=True)
     model.save_pretrained(os.path.join(args.out, "model"))
     tokenizer.save_pretrained(os.path.join(args.out, "model"))
+    if ENGINE is not None:
+        ENGINE.shutdown()
 
 
 if __name__ == "__main__":
