@@ -9,8 +9,8 @@ The model is megatron-core's GPTModel built by the trainer's own code (``build_m
 TransformerEngine spec when usable), the loss the trainer's vocab-parallel log-probs of the
 next tokens, computed as the trainer computes them (``--logprob-chunk-tokens``, default the
 trainer's, 0 for the full logits; ``--recompute`` for full activation recompute). MFU counts
-6 x parameters x tokens plus attention (6 x layers x sequence x hidden per token, causal)
-against ``--peak-tflops`` (default: 989, an H100 SXM's dense bf16).
+6 x the parameters a token passes through (of a MoE layer's experts, its top-k) x tokens plus
+attention (6 x layers x sequence x heads x head_dim per token, causal) against ``--peak-tflops`` (default: 989, an H100 SXM's dense bf16).
 
 The model is wrapped in megatron's DDP as the trainer wraps it (a float32 gradient buffer
 allocated up front). On a GPU the bench also checks ``rlep plan``'s memory model: what is
@@ -35,6 +35,20 @@ SHAPES = {
     "qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
                        tie_word_embeddings=False),
+    # Qwen3-30B-A3B's published layer (128 experts, top-8, q/k norms, head_dim 128) with 12 of
+    # its 48 layers, so that the weights, gradients and one micro-batch fit one GPU
+    "qwen3-30b-a3b-12l": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=12,
+                              num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                              intermediate_size=6144, moe_intermediate_size=768,
+                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                              tie_word_embeddings=False, attention_bias=False),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=352, moe_intermediate_size=64, num_experts=8,
+                     num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], vocab_size=320, tie_word_embeddings=False,
+                     attention_bias=False),
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=352, vocab_size=320,
                  tie_word_embeddings=True),
@@ -137,11 +151,18 @@ def main() -> None:
     seconds = (time.perf_counter() - start) / args.steps
     tokens = args.micro_batch * args.seq_len
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
-    flops_per_token = 6 * params + 6 * layers * args.seq_len * hidden  # causal attention
+    # a token passes through top-k of each MoE layer's experts: count those parameters only
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    active = params - experts + experts * config.get("num_experts_per_tok", 1) // max(
+        1, config.get("num_experts", 1))
+    width = config["num_attention_heads"] * config.get(
+        "head_dim", hidden // config["num_attention_heads"])
+    flops_per_token = 6 * active + 6 * layers * args.seq_len * width  # causal attention
     achieved = flops_per_token * tokens / seconds / 1e12
     device_name = torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)"
     print(f"device: {device_name}; layer spec: {'TransformerEngine' if info.use_te else 'local'}; "
-          f"{args.shape}: {params / 1e6:,.1f} M parameters, {str(dtype).split('.')[-1]}; "
+          f"{args.shape}: {params / 1e6:,.1f} M parameters ({active / 1e6:,.1f} M per token), "
+          f"{str(dtype).split('.')[-1]}; "
           f"log-prob chunk {chunk or 'off (full logits)'}; recompute {args.recompute}")
     print("micro-batch x seq | step (s) | tokens/s | TFLOP/s | MFU | peak memory (GiB) | "
           "before the step (GiB): measured / planner | step above it (GiB): measured / planner")
