@@ -9,17 +9,22 @@ The model is megatron-core's GPTModel built by the trainer's own code (``build_m
 TransformerEngine spec when usable), the loss the trainer's vocab-parallel log-probs of the
 next tokens, computed as the trainer computes them (``--logprob-chunk-tokens``, default the
 trainer's, 0 for the full logits; ``--recompute`` for full activation recompute). MFU counts
-6 x the parameters a token passes through (of a MoE layer's experts, its top-k) x tokens plus
-attention (6 x layers x sequence x heads x head_dim per token, causal) against ``--peak-tflops`` (default: 989, an H100 SXM's dense bf16).
+FLOPs as ``rlep plan`` does: 6 x tokens x (the parameters a token passes through outside the
+embeddings, of a MoE layer's experts its top-k, plus the output layer) plus causal attention
+(6 x layers x sequence x heads x head_dim per token), against ``--peak-tflops`` (default: 989,
+an H100 SXM's dense bf16).
 
 The model is wrapped in megatron's DDP as the trainer wraps it (a float32 gradient buffer
-allocated up front). On a GPU the bench also checks ``rlep plan``'s memory model: what is
-allocated before a step (the weights and the gradient buffer) against the planner's weights +
-gradients, and the step's peak above that (the activations saved for the backward and the
-log-prob step's logits) against the planner's activations + log-prob step for the same shape,
-tokens, layer spec and recompute setting.
+allocated up front; no distributed optimizer, one GPU). On a GPU the bench also checks
+``rlep plan``'s memory model: what is allocated before a step (the weights and the gradient
+buffer) against the planner's count of the model's parameters from its HF config x (dtype + 4
+bytes), and the step's peak above that (the activations saved for the backward and the log-prob
+step's logits) against the planner's activations + log-prob step for the same shape, tokens,
+layer spec and recompute setting. What the planner adds for a real run is not measured here:
+the optimizer state, the CUDA context, the reference policy and the rollout engine.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -61,21 +66,26 @@ def hf_config(shape: str, seq_len: int) -> dict:
             **SHAPES[shape]}
 
 
-def planned_bytes(config: dict, params: int, tokens: int, dtype, chunk: int,
-                  recompute: bool, spec: str) -> tuple[float, float]:
-    """``rlep plan``'s bytes on one GPU (TP1, PP1): (weights + float32 gradient buffer,
-    one micro-batch's activations saved for the backward + the log-prob step's logits)."""
+def planner_view(config: dict, tokens: int, dtype, chunk: int, recompute: bool, spec: str,
+                 padded_vocab: int) -> dict[str, float]:
+    """``rlep plan``'s figures for one GPU (TP1, PP1), from the HF config alone: ``static``
+    (bytes of the weights and a float32 gradient buffer), ``step`` (one micro-batch's
+    activations saved for the backward + the log-prob step's logits) and ``flops_per_token``
+    (forward + backward)."""
     from rlep_megatron import plan
     from rlep_megatron.config import ModelConfig, RunConfig
-    from rlep_megatron.models import layout
+    from rlep_megatron.models import llama_family
 
     cfg = RunConfig(model=ModelConfig(logprob_chunk_tokens=chunk))
     dtype_bytes = dtype.itemsize
+    counts = plan._total_params(config, [], cfg)  # closed form from the HF config
     activations = plan.activation_bytes(config, cfg, tokens, 0, dtype_bytes, spec)
-    vocab = layout.padded_vocab_size(config["vocab_size"], 1)
     step = (activations["with_recompute" if recompute else "without_recompute"]
-            + plan.logits_bytes(config, cfg, tokens, vocab, dtype_bytes))
-    return params * (dtype_bytes + 4), step
+            + plan.logits_bytes(config, cfg, tokens, padded_vocab, dtype_bytes))
+    dims = llama_family.dims_from_config(config)
+    per_token = counts["active_params"] + dims.vocab_size * dims.hidden_size  # + output layer
+    return {"static": counts["total_params"] * (dtype_bytes + 4), "step": step,
+            "active_params": per_token}
 
 
 def main() -> None:
@@ -95,8 +105,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-
-    import dataclasses
 
     from megatron.core import parallel_state as ps
 
@@ -151,36 +159,35 @@ def main() -> None:
     seconds = (time.perf_counter() - start) / args.steps
     tokens = args.micro_batch * args.seq_len
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
-    # a token passes through top-k of each MoE layer's experts: count those parameters only
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    active = params - experts + experts * config.get("num_experts_per_tok", 1) // max(
-        1, config.get("num_experts", 1))
+    planner = planner_view(config, tokens, dtype, chunk, args.recompute,
+                           "te" if info.use_te else "local", info.padded_vocab_size)
+    active = planner["active_params"]
     width = config["num_attention_heads"] * config.get(
         "head_dim", hidden // config["num_attention_heads"])
     flops_per_token = 6 * active + 6 * layers * args.seq_len * width  # causal attention
     achieved = flops_per_token * tokens / seconds / 1e12
     device_name = torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)"
     print(f"device: {device_name}; layer spec: {'TransformerEngine' if info.use_te else 'local'}; "
-          f"{args.shape}: {params / 1e6:,.1f} M parameters ({active / 1e6:,.1f} M per token), "
+          f"{args.shape}: {params / 1e6:,.1f} M parameters ({active / 1e6:,.1f} M per token "
+          f"with the output layer), "
           f"{str(dtype).split('.')[-1]}; "
           f"log-prob chunk {chunk or 'off (full logits)'}; recompute {args.recompute}")
     print("micro-batch x seq | step (s) | tokens/s | TFLOP/s | MFU | peak memory (GiB) | "
           "before the step (GiB): measured / planner | step above it (GiB): measured / planner")
     print("--- | --- | --- | --- | --- | --- | --- | ---")
-    planned_static, planned_step = (b / 2**30 for b in planned_bytes(
-        config, params, tokens, dtype, chunk, args.recompute, "te" if info.use_te else "local"))
+    planned_static, planned_step = planner["static"] / 2**30, planner["step"] / 2**30
     if on_gpu:
         peak = torch.cuda.max_memory_allocated()
         memory = f"{peak / 2**30:.1f}"
         static = f"{before / 2**30:.1f} / {planned_static:.1f}"
-        step = f"{(peak - before) / 2**30:.1f} / {planned_step:.1f}"
+        step_memory = f"{(peak - before) / 2**30:.1f} / {planned_step:.1f}"
     else:
         memory = "n/a (CPU)"
         static = f"n/a / {planned_static:.2f}"
-        step = f"n/a / {planned_step:.2f}"
+        step_memory = f"n/a / {planned_step:.2f}"
     mfu = f"{100 * achieved / args.peak_tflops:.1f}%" if on_gpu else "n/a (CPU)"
     print(f"{args.micro_batch} x {args.seq_len} | {seconds:.3f} | {tokens / seconds:,.0f} | "
-          f"{achieved:.1f} | {mfu} | {memory} | {static} | {step}")
+          f"{achieved:.1f} | {mfu} | {memory} | {static} | {step_memory}")
     distributed.destroy()
 
 

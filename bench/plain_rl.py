@@ -19,7 +19,10 @@ baseline).
 ``--sampler vllm`` replaces transformers' ``generate`` (training rollouts and validation) by
 the trainer's rollout engine (``RolloutEngine``, vLLM, the model's weights loaded into it before
 every sampling): the loop then differs from ``rlep train`` in its update code and prompt order
-only, which tells a difference of sampler from a difference of training.
+(and vLLM stops on every EOS id of the model's generation config, ``generate`` here on the
+tokenizer's only), which tells a difference of sampler from a difference of training.
+``--check-sampler`` prints, for the sampler chosen (and transformers' ``generate`` always), how
+far the log-probs of the tokens it sampled are from a forward of the same sequences, and exits.
 
 Validation every ``trainer.validation_interval_steps`` steps and at the end: ``eval``'s number
 of samples per validation question at its temperature / top-p, the mean accuracy (mean@k).
@@ -42,21 +45,10 @@ def prompt_ids(tokenizer, messages, max_prompt_tokens):
     return tokenize_prompt(tokenizer, messages, max_prompt_tokens).token_ids
 
 
-ENGINE = None
-"""The rollout engine with ``--sampler vllm``."""
-
-
 def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id, eos_id,
            generator_seed):
     """``n`` sampled responses per prompt (token lists through their EOS, if any)."""
     import torch
-
-    if ENGINE is not None:  # --sampler vllm: the trainer's engine, the model's weights first
-        ENGINE.load_weights((name, p.detach()) for name, p in model.named_parameters())
-        groups = ENGINE.generate(prompts, n, temperature=temperature, top_p=top_p,
-                                 top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
-                                 seed=generator_seed)
-        return [[r.token_ids for r in group] for group in groups]
 
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -78,6 +70,66 @@ def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id,
             row = row[:row.index(eos_id) + 1]
         responses.append(row)
     return [responses[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def engine_sampler(engine):
+    """``sample``'s signature over the trainer's rollout engine (``--sampler vllm``): the
+    model's weights are loaded into the engine before each call. vLLM stops on every EOS id of
+    the model's generation config, ``sample`` on the tokenizer's EOS only."""
+    def draw(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id, eos_id,
+             generator_seed):
+        engine.load_weights((name, p.detach()) for name, p in model.named_parameters())
+        groups = engine.generate(prompts, n, temperature=temperature, top_p=top_p,
+                                 top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
+                                 seed=generator_seed)
+        return [[r.token_ids for r in group] for group in groups]
+
+    return draw
+
+
+def check_samplers(model, prompts, cfg, pad_id, eos_id, engine=None):
+    """Whether each sampler draws from the model itself: the log-prob of every sampled token
+    under the sampler (transformers' ``generate`` logits on a left-padded batch; the engine's
+    own log-probs) against a forward of the whole sequence. Prints mean and max difference."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        attention[i, width - len(prompt):] = 1
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True,
+                             temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=cfg.rollout.max_response_tokens, pad_token_id=pad_id,
+                             eos_token_id=eos_id, output_logits=True,
+                             return_dict_in_generate=True)
+    step_logits = torch.stack(out.logits, 1).float()
+    drawn = {"transformers generate": []}
+    for i, prompt in enumerate(prompts):
+        response = out.sequences[i, width:].tolist()
+        response = response[:response.index(eos_id) + 1] if eos_id in response else response
+        at = torch.tensor(response)[:, None]
+        own = torch.log_softmax(step_logits[i, :len(response)], -1).gather(-1, at)[:, 0]
+        drawn["transformers generate"].append((prompt, response, own))
+    if engine is not None:
+        engine.load_weights((name, p.detach()) for name, p in model.named_parameters())
+        groups = engine.generate(prompts, 1, temperature=1.0, top_p=1.0, top_k=-1,
+                                 max_tokens=cfg.rollout.max_response_tokens, seed=0)
+        drawn["the rollout engine"] = [(prompt, g[0].token_ids, torch.tensor(g[0].logprobs))
+                                       for prompt, g in zip(prompts, groups)]
+    for name, samples in drawn.items():
+        diffs = []
+        for prompt, response, own in samples:
+            with torch.no_grad():
+                forward, _ = token_logprobs(model, [prompt + response], [len(prompt)], pad_id,
+                                            1.0)
+            diffs.append((forward[0, len(prompt) - 1:] - own.double()).abs())
+        diffs = torch.cat(diffs)
+        print(f"{name}: sampled-token log-probs vs a forward of the sequence over "
+              f"{diffs.numel()} tokens: mean {diffs.mean():.2e}, max {diffs.max():.2e}")
 
 
 def score(tokenizer, rows, row, response, cfg):
@@ -108,12 +160,12 @@ def token_logprobs(model, sequences, prompt_lengths, pad_id, temperature):
     return logp, mask
 
 
-def validate(model, tokenizer, rows, cfg, pad_id, eos_id, seed):
+def validate(model, tokenizer, rows, cfg, pad_id, eos_id, seed, draw=None):
     prompts = [prompt_ids(tokenizer, rows.messages[r], cfg.data.max_prompt_tokens)
                for r in range(len(rows))]
-    groups = sample(model, prompts, cfg.eval.num_samples_per_prompt,
-                    cfg.rollout.max_response_tokens, cfg.eval.temperature, cfg.eval.top_p, -1,
-                    pad_id, eos_id, seed)
+    groups = (draw or sample)(model, prompts, cfg.eval.num_samples_per_prompt,
+                              cfg.rollout.max_response_tokens, cfg.eval.temperature,
+                              cfg.eval.top_p, -1, pad_id, eos_id, seed)
     hits = [score(tokenizer, rows, r, response, cfg)[1]
             for r, group in enumerate(groups) for response in group]
     return sum(hits) / len(hits)
@@ -126,6 +178,10 @@ def main() -> None:
     parser.add_argument("--sampler", choices=["transformers", "vllm"], default="transformers",
                         help="vllm: sample with the trainer's rollout engine instead of "
                              "transformers' generate")
+    parser.add_argument("--check-sampler", action="store_true",
+                        help="print how far each sampler's log-probs of its sampled tokens are "
+                             "from a forward of the sequences (the first batch's prompts), then "
+                             "exit")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_intermixed_args()
 
@@ -133,7 +189,6 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlep_megatron.config import load_config
-    from rlep_megatron.data.schema import read_prompt_files
 
     cfg = load_config(args.config, list(args.overrides))
     if cfg.replay.num_replays_per_prompt:
@@ -146,17 +201,35 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_dir, local_files_only=True,
                                                  dtype=torch.float32)
     eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    engine, draw = None, sample
     if args.sampler == "vllm":
         from rlep_megatron import distributed
         from rlep_megatron.rollout.engine import RolloutEngine
 
-        global ENGINE
         distributed.init_process_group()
-        ENGINE = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype="float32",
+        engine = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype="float32",
                                seed=cfg.trainer.seed,
                                max_model_len=cfg.data.max_prompt_tokens
                                + cfg.rollout.max_response_tokens)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+        draw = engine_sampler(engine)
+    try:
+        train_loop(args, cfg, model, tokenizer, pad_id, eos_id, draw, engine)
+    finally:
+        if engine is not None:
+            from rlep_megatron import distributed
+
+            engine.shutdown()
+            distributed.destroy()
+
+
+def train_loop(args, cfg, model, tokenizer, pad_id, eos_id, draw, engine) -> None:
+    """The RL loop (or, with ``--check-sampler``, the samplers' check) with ``draw`` as the
+    sampler."""
+    import torch
+
+    from rlep_megatron.data.schema import read_prompt_files
+
     optim = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
                                   betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
@@ -166,12 +239,18 @@ def main() -> None:
     algo, rollout, g = cfg.algo, cfg.rollout, cfg.rollout.num_samples_per_prompt
     order = torch.Generator().manual_seed(cfg.trainer.seed)
     queue: list[int] = []
+    if args.check_sampler:
+        rows = torch.randperm(len(train), generator=order)[:cfg.data.train_batch_size].tolist()
+        prompts = [prompt_ids(tokenizer, train.messages[r], cfg.data.max_prompt_tokens)
+                   for r in rows]
+        check_samplers(model, prompts, cfg, pad_id, eos_id, engine)
+        return
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     with open(metrics_path, "w") as log:
         val_every = cfg.trainer.validation_interval_steps
         if val_every:
             model.eval()
-            accuracy = validate(model, tokenizer, val, cfg, pad_id, eos_id, 10_000)
+            accuracy = validate(model, tokenizer, val, cfg, pad_id, eos_id, 10_000, draw)
             log.write(json.dumps({"step": 0, "val/acc_mean": accuracy}) + "\n")
             print(f"step 0: val {accuracy:.3f}", flush=True)
         for step in range(1, cfg.trainer.total_steps + 1):
@@ -182,8 +261,9 @@ def main() -> None:
             prompts = [prompt_ids(tokenizer, train.messages[r], cfg.data.max_prompt_tokens)
                        for r in rows]
             model.eval()
-            groups = sample(model, prompts, g, rollout.max_response_tokens, rollout.temperature,
-                            rollout.top_p, rollout.top_k, pad_id, eos_id, cfg.trainer.seed * 100_003 + step)
+            groups = draw(model, prompts, g, rollout.max_response_tokens, rollout.temperature,
+                          rollout.top_p, rollout.top_k, pad_id, eos_id,
+                          cfg.trainer.seed * 100_003 + step)
             sequences, starts, advantages, accs = [], [], [], []
             for row, prompt, group in zip(rows, prompts, groups):
                 scored = [score(tokenizer, train, row, response, cfg) for response in group]
@@ -221,14 +301,12 @@ def main() -> None:
             if val_every and (step % val_every == 0 or step == cfg.trainer.total_steps):
                 model.eval()
                 entry["val/acc_mean"] = validate(model, tokenizer, val, cfg, pad_id, eos_id,
-                                                 10_000 + step)
+                                                 10_000 + step, draw)
             log.write(json.dumps(entry) + "\n")
             log.flush()
             print(json.dumps(entry), flush=True)
     model.save_pretrained(os.path.join(args.out, "model"))
     tokenizer.save_pretrained(os.path.join(args.out, "model"))
-    if ENGINE is not None:
-        ENGINE.shutdown()
 
 
 if __name__ == "__main__":
