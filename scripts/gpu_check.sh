@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One command on a GPU node (one GPU is enough): the gpu-marked tests and the actor throughput
-# bench. Needs the GPU stack (scripts/setup_gpu.sh, or wheels carried in); no internet.
+# bench. Needs the GPU stack (scripts/setup_gpu.sh, or wheels carried in); no internet. With
+# megatron-core alone (no vLLM, no TransformerEngine) the actor's tests run on the local spec and
+# the engine's and TransformerEngine's tests are skipped, each with its reason.
 #
 #   bash scripts/gpu_check.sh            # PYTHON=path/to/python to choose the interpreter
 #

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
+from tests import requires
 from tests.torchrun import run_torchrun
 
 pytestmark = pytest.mark.gpu
@@ -185,6 +186,7 @@ def test_one_bf16_train_step_follows_the_fp32_reference(spec, tiny_qwen2_dir, tm
 
 
 def test_sleep_wake_sync_generate_cycle_keeps_parity(tiny_qwen2_dir, tmp_path):
+    requires("vllm")  # a GPU stack without vLLM (only the actor's wheels) runs the rest
     out = tmp_path / "report.json"
     run_on_gpu("tests/vllm/rollout_sync_program.py",
                ["--hf-dir", tiny_qwen2_dir, "--rollout-tp", "1", "--layouts", "1x1",
