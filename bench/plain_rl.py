@@ -45,9 +45,9 @@ def prompt_ids(tokenizer, messages, max_prompt_tokens):
     return tokenize_prompt(tokenizer, messages, max_prompt_tokens).token_ids
 
 
-def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id, eos_id,
-           generator_seed):
-    """``n`` sampled responses per prompt (token lists through their EOS, if any)."""
+def left_padded_generate(model, prompts, pad_id, eos_id, seed, **sampling):
+    """transformers' ``generate`` on the prompts left-padded into one batch, sampling from
+    ``seed``; returns its output and the padded prompt width."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -56,19 +56,26 @@ def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id,
     for i, prompt in enumerate(prompts):
         ids[i, width - len(prompt):] = torch.tensor(prompt)
         attention[i, width - len(prompt):] = 1
-    torch.manual_seed(generator_seed)
+    torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(input_ids=ids.to(model.device),
                              attention_mask=attention.to(model.device), do_sample=True,
-                             temperature=temperature, top_p=top_p,
-                             top_k=top_k if top_k > 0 else 0, num_return_sequences=n,
-                             max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                             eos_token_id=eos_id)
-    responses = []
-    for row in out[:, width:].tolist():
-        if eos_id in row:
-            row = row[:row.index(eos_id) + 1]
-        responses.append(row)
+                             pad_token_id=pad_id, eos_token_id=eos_id, **sampling)
+    return out, width
+
+
+def through_eos(row, eos_id):
+    """A generated row up to and including its first EOS (all of it without one)."""
+    return row[:row.index(eos_id) + 1] if eos_id in row else row
+
+
+def sample(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id, eos_id,
+           generator_seed):
+    """``n`` sampled responses per prompt (token lists through their EOS, if any)."""
+    out, width = left_padded_generate(
+        model, prompts, pad_id, eos_id, generator_seed, temperature=temperature, top_p=top_p,
+        top_k=top_k if top_k > 0 else 0, num_return_sequences=n, max_new_tokens=max_new_tokens)
+    responses = [through_eos(row, eos_id) for row in out[:, width:].tolist()]
     return [responses[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
@@ -93,24 +100,14 @@ def check_samplers(model, prompts, cfg, pad_id, eos_id, engine=None):
     own log-probs) against a forward of the whole sequence. Prints mean and max difference."""
     import torch
 
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt):] = torch.tensor(prompt)
-        attention[i, width - len(prompt):] = 1
-    torch.manual_seed(0)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True,
-                             temperature=1.0, top_p=1.0, top_k=0,
-                             max_new_tokens=cfg.rollout.max_response_tokens, pad_token_id=pad_id,
-                             eos_token_id=eos_id, output_logits=True,
-                             return_dict_in_generate=True)
+    out, width = left_padded_generate(
+        model, prompts, pad_id, eos_id, 0, temperature=1.0, top_p=1.0, top_k=0,
+        max_new_tokens=cfg.rollout.max_response_tokens, output_logits=True,
+        return_dict_in_generate=True)
     step_logits = torch.stack(out.logits, 1).float()
     drawn = {"transformers generate": []}
     for i, prompt in enumerate(prompts):
-        response = out.sequences[i, width:].tolist()
-        response = response[:response.index(eos_id) + 1] if eos_id in response else response
+        response = through_eos(out.sequences[i, width:].tolist(), eos_id)
         at = torch.tensor(response)[:, None]
         own = torch.log_softmax(step_logits[i, :len(response)], -1).gather(-1, at)[:, 0]
         drawn["transformers generate"].append((prompt, response, own))
