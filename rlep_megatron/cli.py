@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_ENGINE_JOBS = ("train", "collect", "eval")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand. In a job of several ranks, a failure on any rank ends that process at
     once with its error printed (no clean-up that waits for the other ranks, which may be
@@ -235,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     setup_logging(log_all_ranks=getattr(args, "log_all_ranks", False))
+    if args.command in _ENGINE_JOBS:
+        # no full garbage collections over the import-time heap while the job starts; resumed
+        # once the heap is frozen, before the rollout engine is built (platform/heap.py)
+        from rlep_megatron.platform.heap import pause_gc_for_startup
+
+        pause_gc_for_startup()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, DeviceError) as err:

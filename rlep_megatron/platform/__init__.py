@@ -5,7 +5,9 @@
   local layer spec, and the GPU/driver checks that refuse a silent CPU fallback;
 * :mod:`.megatron_shim` (with :mod:`.cpu_torch` and :mod:`.gloo`): megatron-core on CPU/gloo
   (:func:`install_megatron_cpu_shim`) and its fixes when TransformerEngine is absent;
-* :mod:`.vllm_cpu`: vLLM's CPU backend settings and its kernels' refresh after a weight sync.
+* :mod:`.vllm_cpu`: vLLM's CPU backend settings and its kernels' refresh after a weight sync;
+* :mod:`.heap`: Python's cyclic garbage collector paused while a job starts, its start-up heap
+  frozen.
 
 Functions that others replace in tests (``cuda_available``, ``transformer_engine_status``,
 ``nvidia_gpus`` ...) are looked up on this package at call time, so that replacing
@@ -20,6 +22,7 @@ from rlep_megatron.platform.device import (
 from rlep_megatron.platform.megatron_shim import (
     install_megatron_cpu_shim, megatron_moe_without_te)
 from rlep_megatron.platform.cpu_torch import CpuRNGStatesTracker
+from rlep_megatron.platform.heap import freeze_startup_heap, pause_gc_for_startup
 from rlep_megatron.platform.vllm_cpu import (
     name_vllm_cpu_shm_per_job, refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels,
     remove_stale_vllm_cpu_shm, remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly,
@@ -27,9 +30,9 @@ from rlep_megatron.platform.vllm_cpu import (
 
 __all__ = [
     "DEVICE_MODES", "TRANSFORMER_ENGINE_MODES", "CpuRNGStatesTracker", "DeviceError", "Platform",
-    "choose_device", "cuda_available", "fused_softmax_available", "install_megatron_cpu_shim",
+    "choose_device", "cuda_available", "freeze_startup_heap", "fused_softmax_available", "install_megatron_cpu_shim",
     "megatron_config_overrides", "megatron_moe_without_te", "name_vllm_cpu_shm_per_job",
-    "nvidia_gpus",
+    "nvidia_gpus", "pause_gc_for_startup",
     "quiet_megatron_accelerator_warnings", "refresh_vllm_cpu_embedding_kernels",
     "refresh_vllm_cpu_moe_kernels", "remove_stale_vllm_cpu_shm",
     "remove_truncated_inductor_binaries", "report_layer_spec", "run_vllm_cpu_helpers_eagerly",

@@ -208,6 +208,9 @@ class RolloutEngine:
         tied = bool(hf_config.get("tie_word_embeddings", False))
         _quiet_expected_reload_warnings(tied)
 
+        # vLLM collects garbage several times while it builds the engine: walk only what the
+        # engine creates (the import-time heap frozen once, after one collection)
+        platform.freeze_startup_heap()
         started = time.perf_counter()
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
@@ -353,6 +356,9 @@ class RolloutEngine:
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
+            # vLLM's shutdown unfroze its start-up heap; what survived the collection above is
+            # not garbage, so the interpreter's last collection at exit need not walk it again
+            gc.freeze()
 
     # ------------------------------------------------------------------ memory hand-off
 

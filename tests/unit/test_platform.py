@@ -330,3 +330,43 @@ def test_vllm_cpu_shm_names_differ_between_jobs_and_agree_within_one(monkeypatch
         assert f"pid{os.getpid()}" in shm_class.make_group_name(group)
     finally:
         shm_class.make_group_name = saved
+
+
+def test_startup_heap_is_collected_then_frozen_and_collection_resumes():
+    """A job pauses automatic collection while it imports, then collects once and freezes what
+    survives before vLLM builds its engine: garbage made during the pause is still freed (not
+    frozen), live objects are frozen (later full collections skip them), and automatic
+    collection is back on."""
+    import gc
+    import weakref
+
+    from rlep_megatron.platform import heap
+
+    class Node:
+        pass
+
+    assert gc.isenabled()
+    frozen_before = gc.get_freeze_count()
+    try:
+        heap.pause_gc_for_startup()
+        assert not gc.isenabled() and heap.startup_paused()
+        garbage, live = Node(), Node()
+        garbage.me, live.me = garbage, live          # two reference cycles
+        freed = []
+        weakref.finalize(garbage, freed.append, "garbage")
+        del garbage
+        for _ in range(3 * gc.get_threshold()[0]):   # enough allocations for a collection
+            Node()
+        assert freed == []                           # paused: nobody collected the cycle
+        heap.freeze_startup_heap()
+        assert freed == ["garbage"]
+        assert gc.isenabled() and not heap.startup_paused()
+        assert gc.get_freeze_count() > frozen_before
+        assert live.me is live
+        # a second call (e.g. a second engine in one process) keeps collection on
+        heap.freeze_startup_heap()
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
