@@ -8,10 +8,13 @@ import sys
 def main(model_dir: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # the engine in this process (no engine-core and worker processes that would each import
+    # vLLM again): vLLM's own LLM, sampler and log-probs all the same
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="float32", seed=0, enforce_eager=True, max_model_len=256,
-              gpu_memory_utilization=0.2)
+              gpu_memory_utilization=0.2, distributed_executor_backend="uni")
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                              add_generation_prompt=True)
