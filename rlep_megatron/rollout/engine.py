@@ -259,8 +259,13 @@ class RolloutEngine:
                         max_tokens: int, seed: int):
         from vllm import SamplingParams
 
+        # the sampled token's log-prob only, in vLLM's flat form (a few lists per response, not
+        # a dict per token), and no text: vLLM would decode every token twice (the response's
+        # text and each log-prob's token), where one decode per response is all the trainer
+        # needs (:func:`_response`)
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                              max_tokens=max_tokens, seed=seed, logprobs=0)
+                              max_tokens=max_tokens, seed=seed, logprobs=0, flat_logprobs=True,
+                              detokenize=False)
 
     def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
@@ -293,8 +298,9 @@ class RolloutEngine:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
             routes = (self.llm.collective_rpc("rlep_routing_take")[0] if self.capturing_routing
                       else {})
+            tokenizer = self.llm.get_tokenizer()
             for index, output, request in zip(mine, outputs, params):
-                local.append([_response(index, completion,
+                local.append([_response(index, completion, tokenizer,
                                         routes.get(request.seed + completion.index),
                                         len(prompts[index]))
                               for completion in output.outputs])
@@ -402,13 +408,29 @@ class RolloutEngine:
             self.wake_up()
 
 
-def _response(index: int, completion, routing=None, prompt_length: int = 0) -> Response:
+def _response(index: int, completion, tokenizer, routing=None,
+              prompt_length: int = 0) -> Response:
     token_ids = list(completion.token_ids)
-    entries = completion.logprobs or []
-    logprobs = [entry[token].logprob for entry, token in zip(entries, token_ids)]
+    entries = completion.logprobs
+    if entries is None:
+        logprobs = []
+    elif hasattr(entries, "end_indices"):
+        # vLLM's flat form: with logprobs=0 one entry per position, the sampled token's
+        if list(entries.token_ids) != token_ids:
+            raise RuntimeError("vLLM's log-prob entries are not those of the sampled tokens")
+        logprobs = list(entries.logprobs)
+    else:
+        logprobs = [entry[token].logprob for entry, token in zip(entries, token_ids)]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for "
                            f"{len(token_ids)} sampled tokens")
+    finish_reason = completion.finish_reason or "length"
+    # the text vLLM itself would give: special tokens skipped, the token that stopped the
+    # response (EOS or a stop token id, included in token_ids) left out even if not special,
+    # and the bytes of a character the response ends inside (byte-level tokens cut by the
+    # length budget) not shown as a replacement character
+    text = tokenizer.decode(token_ids[:-1] if finish_reason == "stop" else token_ids,
+                            skip_special_tokens=True).rstrip("\ufffd")
     if routing is not None:
         # one row per position of prompt + response: an engine that schedules one more
         # forward after a stop (async scheduling) captured a row past the end
@@ -417,5 +439,4 @@ def _response(index: int, completion, routing=None, prompt_length: int = 0) -> R
         if len(routing) < length:
             routing = np.concatenate([routing, np.full((length - len(routing),
                                                         *routing.shape[1:]), -1, routing.dtype)])
-    return Response(index, token_ids, logprobs, completion.text,
-                    completion.finish_reason or "length", routing)
+    return Response(index, token_ids, logprobs, text, finish_reason, routing)

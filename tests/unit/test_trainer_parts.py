@@ -186,3 +186,48 @@ def test_replays_reach_the_train_batch_with_their_group_advantage(monkeypatch):
         assert train.input_ids.tolist() == ids.tolist()
         assert train.response_mask.tolist() == mask.tolist()
     assert sum(map(len, plan)) == len(sequences)
+
+
+def test_a_response_text_is_the_sampled_tokens_decoded_without_the_stop_token(tiny_qwen2_dir):
+    """The engine asks vLLM for no text (``detokenize=False``) and for flat log-probs, and
+    decodes each response once itself: special tokens skipped and the token that stopped the
+    response left out, as vLLM's own text is (the vLLM tests compare the two on real samples)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rlep_megatron.rollout.engine import _response
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    body = tokenizer("Answer: 42", add_special_tokens=False)["input_ids"]
+    comma = tokenizer(",", add_special_tokens=False)["input_ids"]
+    [eos] = tokenizer(tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+
+    def flat(ids, logprobs):
+        return SimpleNamespace(token_ids=list(ids), logprobs=list(logprobs),
+                               end_indices=list(range(1, len(ids) + 1)))
+
+    def completion(ids, finish_reason):
+        logprobs = [-0.5 - i for i in range(len(ids))]
+        return SimpleNamespace(token_ids=ids, logprobs=flat(ids, logprobs), text=None,
+                               finish_reason=finish_reason), logprobs
+
+    stopped, logprobs = completion(body + [eos], "stop")
+    response = _response(3, stopped, tokenizer)
+    assert response.text == "Answer: 42" and response.token_ids == body + [eos]
+    assert response.logprobs == logprobs and response.finish_reason == "stop"
+    # a stop token that is not special (here a comma) is left out of the text all the same
+    assert _response(0, completion(body + comma, "stop")[0], tokenizer).text == "Answer: 42"
+    # cut at the length budget: every token is text
+    assert _response(0, completion(body + comma, "length")[0], tokenizer).text == "Answer: 42,"
+    assert _response(0, completion(body, None)[0], tokenizer).finish_reason == "length"
+    # cut inside a character (byte-level tokens): its first byte is not shown as U+FFFD
+    accent = tokenizer("\u00e9", add_special_tokens=False)["input_ids"]
+    assert len(accent) == 2 and tokenizer.decode(body + accent[:1]).endswith("\ufffd")
+    assert _response(0, completion(body + accent[:1], "length")[0], tokenizer).text == "Answer: 42"
+    assert _response(0, completion(body + accent, "length")[0], tokenizer).text == "Answer: 42\u00e9"
+    # log-prob entries of other tokens than the sampled ones are refused
+    wrong = SimpleNamespace(token_ids=body, logprobs=flat(body[::-1], [0.0] * len(body)),
+                            text=None, finish_reason="length")
+    with pytest.raises(RuntimeError, match="not those of the sampled tokens"):
+        _response(0, wrong, tokenizer)

@@ -103,6 +103,30 @@ def common_prefix_diffs(before, after):
     return diffs
 
 
+def texts_as_vllm_decodes(engine, cfg, prompts, responses, seed):
+    """The engine asks vLLM for no text and decodes each response itself: the same samples
+    drawn again with vLLM's own detokenizer on must carry the same texts (this replica's
+    prompts; every rank of the replica takes part). ``None`` without any response to check."""
+    from vllm import SamplingParams
+
+    from rlep_megatron.rollout.engine import request_seed
+
+    n = cfg.num_samples_per_prompt
+    mine = list(engine.share(prompts, n, cfg.max_response_tokens))
+    if not mine:
+        return None
+    params = [SamplingParams(n=n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                             max_tokens=cfg.max_response_tokens,
+                             seed=request_seed(seed, i, n), logprobs=0) for i in mine]
+    outputs = engine.llm.generate([{"prompt_token_ids": prompts[i]} for i in mine], params,
+                                  use_tqdm=False)
+    theirs = [[(list(c.token_ids), c.text) for c in out.outputs] for out in outputs]
+    ours = [[(r.token_ids, r.text) for r in responses[i]] for i in mine]
+    return {"checked": sum(len(g) for g in ours), "equal": theirs == ours,
+            "texts": [t for g in ours for _, t in g][:4],
+            "theirs": [t for g in theirs for _, t in g][:4]}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", required=True)
@@ -136,6 +160,7 @@ def main():
     report["seed_changes_samples"] = tokens(first) != tokens(other)
     report["same_prompt_distinct_groups"] = len({json.dumps(g) for g in tokens(same_prompt)})
     report["finish_reasons"] = sorted({r.finish_reason for g in first for r in g})
+    report["texts_as_vllm_decodes"] = texts_as_vllm_decodes(engine, cfg, prompts, first, 11)
     report["eos_token_id"] = engine.eos_token_id
 
     layouts = [item.split("x") for item in args.layouts.split(",")]

@@ -47,6 +47,8 @@ def check_sampling(report, dp_size):
     # one prompt four times (spread over the replicas): four different groups of samples
     assert report["same_prompt_distinct_groups"] == 4
     assert set(report["finish_reasons"]) <= {"stop", "length"}
+    texts = report["texts_as_vllm_decodes"]
+    assert texts["equal"] and texts["checked"] > 0, texts
     assert report["eos_token_id"] == 258
 
 
