@@ -1,7 +1,11 @@
 """Torchrun program: build the actor from an HF checkpoint at ``--tp/--pp`` and write its
-per-token log-probs (and entropy) of a right-padded batch of different lengths to ``--out``."""
+per-token log-probs (and entropy) of a right-padded batch of different lengths to ``--out``.
+``--cases FILE`` (a JSON list of argument lists, each with its own ``--hf-dir`` and ``--out``)
+runs several such cases one after another in the same launch: the imports and the process group
+are paid once, the model-parallel layout is rebuilt for each case."""
 import argparse
 import contextlib
+import json
 
 import torch
 
@@ -16,9 +20,11 @@ from rlep_megatron.config import ParallelConfig
 from rlep_megatron.models import layout_limits
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--cases", default=None,
+                        help="JSON file: a list of argument lists, run one after another")
+    parser.add_argument("--hf-dir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
@@ -37,8 +43,24 @@ def main():
                         help="the layer spec (model.transformer_engine)")
     parser.add_argument("--pack-max-tokens", type=int, default=None,
                         help="sequence packing (THD) with this token budget per micro-batch")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
+    cases = [args] if args.cases is None else [parser.parse_args(case)
+                                               for case in json.load(open(args.cases))]
+    for case in cases:
+        if not case.hf_dir or not case.out:
+            parser.error("every case needs --hf-dir and --out")
+    for case in cases:
+        run_case(case)
+    distributed.destroy()
+
+
+def run_case(args):
     from megatron.core import parallel_state as ps
 
     hf_config = load_hf_config(args.hf_dir)
@@ -65,6 +87,16 @@ def main():
             return causal | ~owned.unsqueeze(0)  # the cross-chunk causal mask dropped
 
         context_parallel.causal_mask = mutated
+    try:
+        compute_and_save(args)
+    finally:
+        if args.mutate_cp_mask:
+            context_parallel.causal_mask = original
+
+
+def compute_and_save(args):
+    from megatron.core import parallel_state as ps
+
     chunks, info = build_from_hf(args.hf_dir, args.dtype,
                                  transformer_engine=args.transformer_engine)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
@@ -86,7 +118,6 @@ def main():
                     "expert_counts": expert_counts,
                     "device": str(next(chunks[0].parameters()).device),
                     "transformer_engine": info.use_te}, args.out)
-    distributed.destroy()
 
 
 if __name__ == "__main__":

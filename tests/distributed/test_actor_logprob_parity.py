@@ -3,6 +3,8 @@ Qwen2 (tied, QKV bias), Llama (untied), Qwen3 and Qwen3-MoE checkpoints, at TP1x
 TP1xPP2, TP2xPP2 (and PP2 x 2 virtual stages), with expert and sequence parallelism, on a
 right-padded batch of different lengths (padded or packed micro-batches), and with every
 sequence split over context-parallel ranks."""
+import json
+
 import pytest
 import torch
 
@@ -13,45 +15,96 @@ pytestmark = pytest.mark.distributed
 
 PROGRAM = "tests/distributed/actor_logprob_program.py"
 
+# Every case of this module as (ranks, model, program arguments). The cases of one rank count
+# run in one launch of the program (``--cases``), started by the first test that needs one of
+# them: start-up (imports, process group) is most of a case's time, the layout is rebuilt for
+# each case. Each test then checks its own case's output.
+CASES: dict[str, tuple[int, str, list[str]]] = {}
+
+
+def case(case_id: str, nproc: int, arch: str, args: list[str]) -> str:
+    assert case_id not in CASES, case_id
+    CASES[case_id] = (nproc, arch, args)
+    return case_id
+
+
+def forced_routing(input_ids):
+    """Random experts (top-2 of 8) for every token of the MoE layers 1-3, far from what the
+    router would choose, for the routing-replay cases."""
+    generator = torch.Generator().manual_seed(5)
+    return {layer: torch.rand(input_ids.shape + (8,), generator=generator).argsort(-1)[..., :2]
+            for layer in (1, 2, 3)}
+
+
+_LAUNCHED: dict[int, "dict[str, str] | None"] = {}
+
+
+def case_result(case_id: str, request) -> dict:
+    """The program's output for ``case_id``, launching its rank count's cases first if no
+    test has yet."""
+    nproc = CASES[case_id][0]
+    if nproc not in _LAUNCHED:
+        root = request.getfixturevalue("tmp_path_factory").mktemp(f"logprob_cases_{nproc}")
+        from rlep_megatron.actor.forward import pad_sequences
+        from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
+
+        input_ids, _ = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
+        torch.save(forced_routing(input_ids), root / "forced.pt")
+        outs, arguments = {}, []
+        for name, (ranks, arch, args) in CASES.items():
+            if ranks != nproc:
+                continue
+            outs[name] = str(root / f"{name}.pt")
+            args = [str(root / "forced.pt") if a == "FORCED" else a for a in args]
+            arguments.append(["--hf-dir", request.getfixturevalue(f"tiny_{arch}_dir"),
+                              "--out", outs[name], *args])
+        (root / "cases.json").write_text(json.dumps(arguments))
+        _LAUNCHED[nproc] = None  # a failed launch is reported once, by the test that ran it
+        run_torchrun(PROGRAM, nproc, ["--cases", str(root / "cases.json")], timeout_s=1200)
+        _LAUNCHED[nproc] = outs
+    if _LAUNCHED[nproc] is None:
+        pytest.fail(f"the launch of the {nproc}-rank cases failed (see the first of its tests)")
+    return torch.load(_LAUNCHED[nproc][case_id])
+
 
 # every layout on the tied Qwen2 model (virtual pipeline stages too); Llama and Qwen3 at TP1
 # and at TP2 x PP2, which holds both splits
-@pytest.mark.parametrize("arch, tp, pp, vpp", [
-    ("qwen2", tp, pp, None) for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2))]
+@pytest.mark.parametrize("case_id", [
+    case(f"{arch}-tp{tp}-pp{pp}" + (f"-vpp{vpp}" if vpp else ""), tp * pp, arch,
+         ["--tp", str(tp), "--pp", str(pp)] + (["--vpp", str(vpp)] if vpp else []))
+    for arch, tp, pp, vpp in [("qwen2", tp, pp, None) for tp, pp in ((1, 1), (2, 1), (1, 2),
+                                                                     (2, 2))]
     + [("qwen2", 1, 2, 2), ("llama", 1, 1, None), ("llama", 2, 2, None)]
     # Qwen3: q/k norms over heads split by TP, head_dim != hidden / heads
-    + [("qwen3", 1, 1, None), ("qwen3", 2, 2, None)])
-def test_logprobs_match_transformers(arch, tp, pp, vpp, request, tmp_path):
-    extra = ["--vpp", str(vpp)] if vpp else []
-    check_against_transformers(request.getfixturevalue(f"tiny_{arch}_dir"), tp * pp,
-                               ["--tp", str(tp), "--pp", str(pp), *extra], tmp_path)
+    + [("qwen3", 1, 1, None), ("qwen3", 2, 2, None)]])
+def test_logprobs_match_transformers(case_id, request):
+    check_against_transformers(case_id, request)
 
 
 # Qwen3-MoE (8 experts, top-2, layer 0 dense): experts split over EP ranks (tokens reach them
 # by all-to-all), over TP ranks with sequence parallelism (which megatron's MoE layer needs at
 # TP > 1), both on 4 ranks, and over pipeline stages; packed (THD) and padded batches.
 # Sequence parallelism on the dense Qwen2 (TP2, packed).
-@pytest.mark.parametrize("arch, nproc, args", [
-    ("qwen3_moe", 1, []),
-    ("qwen3_moe", 2, ["--ep", "2", "--pack-max-tokens", "64"]),
-    ("qwen3_moe", 4, ["--tp", "2", "--ep", "2", "--sp"]),
-    ("qwen3_moe", 4, ["--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
-    ("qwen2", 2, ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
-    ("qwen2", 2, ["--tp", "2", "--sp"]),
+@pytest.mark.parametrize("case_id", [case(*spec) for spec in [
+    ("moe-ep1", 1, "qwen3_moe", []),
+    ("moe-ep2-packed", 2, "qwen3_moe", ["--ep", "2", "--pack-max-tokens", "64"]),
+    ("moe-tp2-ep2-sp", 4, "qwen3_moe", ["--tp", "2", "--ep", "2", "--sp"]),
+    ("moe-pp2-ep2-packed", 4, "qwen3_moe", ["--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
+    ("qwen2-tp2-sp-packed", 2, "qwen2", ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
+    ("qwen2-tp2-sp", 2, "qwen2", ["--tp", "2", "--sp"]),
     # context parallelism: every sequence (lengths 26, 55, 1, 66: odd, and one shorter than
     # 2 x CP) split in 2 x CP chunks over the CP ranks; padded and packed; with TP (+ SP), PP
-    ("qwen2", 2, ["--cp", "2"]),
-    ("qwen2", 2, ["--cp", "2", "--pack-max-tokens", "64"]),
-    ("qwen2", 4, ["--cp", "2", "--tp", "2"]),
-    ("qwen2", 4, ["--cp", "2", "--tp", "2", "--sp", "--pack-max-tokens", "64"]),
-    ("qwen3", 4, ["--cp", "2", "--pp", "2", "--pack-max-tokens", "64"]),
-], ids=["moe-ep1", "moe-ep2-packed", "moe-tp2-ep2-sp", "moe-pp2-ep2-packed", "qwen2-tp2-sp-packed",
-        "qwen2-tp2-sp", "qwen2-cp2", "qwen2-cp2-packed", "qwen2-cp2-tp2", "qwen2-cp2-tp2-sp-packed",
-        "qwen3-cp2-pp2-packed"])
-def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, args, request,
-                                                                  tmp_path):
+    ("qwen2-cp2", 2, "qwen2", ["--cp", "2"]),
+    ("qwen2-cp2-packed", 2, "qwen2", ["--cp", "2", "--pack-max-tokens", "64"]),
+    ("qwen2-cp2-tp2", 4, "qwen2", ["--cp", "2", "--tp", "2"]),
+    ("qwen2-cp2-tp2-sp-packed", 4, "qwen2",
+     ["--cp", "2", "--tp", "2", "--sp", "--pack-max-tokens", "64"]),
+    ("qwen3-cp2-pp2-packed", 4, "qwen3", ["--cp", "2", "--pp", "2", "--pack-max-tokens", "64"]),
+]])
+def test_expert_and_sequence_parallel_logprobs_match_transformers(case_id, request):
+    arch = CASES[case_id][1]
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    result = check_against_transformers(hf_dir, nproc, args, tmp_path)
+    result = check_against_transformers(case_id, request)
     if arch == "qwen3_moe":
         # the expert-load counts (moe/load_imbalance) are transformers' own routing of the
         # real tokens: its router logits' top-2 per token, counted per layer and expert
@@ -59,19 +112,18 @@ def test_expert_and_sequence_parallel_logprobs_match_transformers(arch, nproc, a
             hf_dir, result["input_ids"], result["lengths"]))
 
 
-@pytest.mark.parametrize("packed, mutation", [(False, "own-keys-only"),
-                                               (True, "own-keys-only"),
-                                               (True, "no-cross-chunk-causality")])
-def test_context_parallel_attention_with_a_wrong_mask_fails(packed, mutation, tiny_qwen2_dir,
-                                                            tmp_path):
+@pytest.mark.parametrize("case_id", [
+    case(f"qwen2-cp2-{mutation}" + ("-packed" if packed else ""), 2, "qwen2",
+         ["--cp", "2", "--mutate-cp-mask", mutation]
+         + (["--pack-max-tokens", "64"] if packed else []))
+    for packed, mutation in [(False, "own-keys-only"), (True, "own-keys-only"),
+                             (True, "no-cross-chunk-causality")]])
+def test_context_parallel_attention_with_a_wrong_mask_fails(case_id, tiny_qwen2_dir, request):
     """Mutations of the CP attention's mask: each rank attends only within its own chunks
     (other ranks' keys masked out), or sees the keys other ranks hold without the causal mask
-    (future tokens leak in). The parity check must see both."""
-    out = tmp_path / "logp.pt"
-    extra = ["--pack-max-tokens", "64"] if packed else []
-    run_torchrun(PROGRAM, 2, ["--hf-dir", tiny_qwen2_dir, "--out", str(out), "--cp", "2",
-                              "--mutate-cp-mask", mutation, *extra])
-    result = torch.load(out)
+    (future tokens leak in). The parity check must see both. (They run in the same launch as
+    correct CP cases, after them: each case restores the mask.)"""
+    result = case_result(case_id, request)
     reference = hf_token_logprobs(tiny_qwen2_dir, result["input_ids"], result["lengths"])
     assert max_abs_logprob_diff(result["logp"], reference, result["lengths"]) > 1e-2
 
@@ -93,10 +145,9 @@ def hf_expert_counts(hf_dir, input_ids, lengths):
     return counts
 
 
-def check_against_transformers(hf_dir, nproc, args, tmp_path):
-    out = tmp_path / "logp.pt"
-    run_torchrun(PROGRAM, nproc, ["--hf-dir", hf_dir, "--out", str(out), *args])
-    result = torch.load(out)
+def check_against_transformers(case_id, request):
+    hf_dir = request.getfixturevalue(f"tiny_{CASES[case_id][1]}_dir")
+    result = case_result(case_id, request)
     reference = hf_token_logprobs(hf_dir, result["input_ids"], result["lengths"])
     diff = max_abs_logprob_diff(result["logp"], reference, result["lengths"])
     assert diff <= 1e-5, f"max |delta logprob| = {diff}"
@@ -113,11 +164,12 @@ def check_entropy(result):
     assert (entropy > 0).all() and (entropy <= torch.log(torch.tensor(320.0)) + 1e-4).all()
 
 
-@pytest.mark.parametrize("nproc, args", [
-    (2, ["--pp", "2", "--pack-max-tokens", "64"]),
-    (4, ["--tp", "2", "--ep", "2", "--sp"]),
-], ids=["pp2-packed", "tp2-ep2-sp"])
-def test_replayed_routing_reaches_every_token(nproc, args, tiny_qwen3_moe_dir, tmp_path):
+@pytest.mark.parametrize("case_id", [
+    case("moe-replay-pp2-packed", 2, "qwen3_moe",
+         ["--pp", "2", "--pack-max-tokens", "64", "--forced-routing", "FORCED"]),
+    case("moe-replay-tp2-ep2-sp", 4, "qwen3_moe",
+         ["--tp", "2", "--ep", "2", "--sp", "--forced-routing", "FORCED"])])
+def test_replayed_routing_reaches_every_token(case_id, tiny_qwen3_moe_dir, request):
     """Routing replay: each token is routed through the experts given for its (row, column)
     and layer, whatever the micro-batch layout. The given experts are random (not what the
     router would choose), and the log-probs equal transformers' with its routers forced to the
@@ -126,14 +178,9 @@ def test_replayed_routing_reaches_every_token(nproc, args, tiny_qwen3_moe_dir, t
     from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
 
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
-    generator = torch.Generator().manual_seed(5)
-    forced = {layer: torch.rand(input_ids.shape + (8,), generator=generator).argsort(-1)[..., :2]
-              for layer in (1, 2, 3)}
-    torch.save(forced, tmp_path / "forced.pt")
-    out = tmp_path / "logp.pt"
-    run_torchrun(PROGRAM, nproc, ["--hf-dir", tiny_qwen3_moe_dir, "--out", str(out),
-                                  "--forced-routing", str(tmp_path / "forced.pt"), *args])
-    result = torch.load(out)
+    forced = forced_routing(input_ids)
+    result = case_result(case_id, request)
+    assert torch.equal(result["input_ids"], input_ids)
     reference = hf_forced_logprobs(tiny_qwen3_moe_dir, input_ids, lengths, forced)
     diff = max_abs_logprob_diff(result["logp"], reference, lengths)
     assert diff <= 1e-5, f"max |delta logprob| = {diff}"
