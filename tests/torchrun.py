@@ -5,7 +5,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,3 +47,57 @@ def run_function(target: str, nproc: int, kwargs: Optional[dict[str, Any]] = Non
     """Run ``package.module:function(**kwargs)`` on every rank under torchrun."""
     runner = os.path.join(REPO_ROOT, "tests", "function_runner.py")
     return run_torchrun(runner, nproc, [target, json.dumps(kwargs or {})], timeout_s=timeout_s)
+
+
+class Cases:
+    """The cases of a torchrun program that takes ``--cases FILE`` (a JSON list of argument
+    lists, each with its own ``--hf-dir`` and ``--out``), declared when the test module is
+    imported: the cases of one rank count run in one launch, started by the first test that
+    asks for one of them. Start-up (imports, process group) is most of a small case's time.
+    ``placeholders(root)`` may give ``{word: value}`` substituted in every case's arguments."""
+
+    def __init__(self, program: str, name: str,
+                 placeholders: Optional[Callable[[Any], dict[str, str]]] = None,
+                 timeout_s: float = 1200):
+        self.program, self.name, self.timeout_s = program, name, timeout_s
+        self.placeholders = placeholders
+        self.cases: dict[Any, tuple[int, str, list[str]]] = {}
+        self._outs: dict[int, Optional[dict[Any, str]]] = {}
+
+    def add(self, key, nproc: int, arch: str, args: Sequence[str]):
+        """Declare a case (``arch``: the ``tiny_<arch>_dir`` fixture's model); returns ``key``."""
+        if key in self.cases:
+            raise ValueError(f"case {key!r} declared twice")
+        self.cases[key] = (nproc, arch, [str(a) for a in args])
+        return key
+
+    def result(self, key, request) -> Any:
+        """``torch.load`` of the case's ``--out``, launching its rank count's cases first."""
+        import torch
+
+        if key not in self.cases:
+            raise KeyError(f"case {key!r} is not declared: add it with {self.name}.add(...) "
+                           "where the module declares its cases")
+        nproc = self.cases[key][0]
+        if nproc not in self._outs:
+            root = request.getfixturevalue("tmp_path_factory").mktemp(f"{self.name}_{nproc}")
+            words = self.placeholders(root) if self.placeholders else {}
+            outs, arguments = {}, []
+            for number, (other, (ranks, arch, args)) in enumerate(self.cases.items()):
+                if ranks != nproc:
+                    continue
+                outs[other] = str(root / f"case_{number}.pt")
+                arguments.append(["--hf-dir", request.getfixturevalue(f"tiny_{arch}_dir"),
+                                  "--out", outs[other], *(words.get(a, a) for a in args)])
+            (root / "cases.json").write_text(json.dumps(arguments, indent=1))
+            self._outs[nproc] = None  # a failed launch is reported once, by the test that ran it
+            run_torchrun(self.program, nproc, ["--cases", str(root / "cases.json")],
+                         timeout_s=self.timeout_s)
+            self._outs[nproc] = outs
+        outs = self._outs[nproc]
+        if outs is None:
+            import pytest
+
+            pytest.fail(f"the launch of {self.name}'s {nproc}-rank cases failed (see the first "
+                        "test that needed it)")
+        return torch.load(outs[key])

@@ -1,9 +1,12 @@
 """Torchrun program: one RLEP train step of the actor from an HF checkpoint at ``--tp/--pp``
 (DP = world / (TP x PP)) on a fixed global batch; writes the updated weights (HF names, full
-tensors) and the step metrics to ``--out``."""
+tensors) and the step metrics to ``--out``. ``--cases FILE`` (a JSON list of argument lists,
+each with its own ``--hf-dir`` and ``--out``) takes several such steps one after another in one
+launch, each from a freshly built model in its own layout."""
 import argparse
 import contextlib
 import dataclasses
+import json
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,9 +88,11 @@ def adam_state_numel(optimizer) -> int:
                for state in o.state.values() if "exp_avg" in state)
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--cases", default=None,
+                        help="JSON file: a list of argument lists, run one after another")
+    parser.add_argument("--hf-dir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
@@ -112,8 +117,24 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    return parser
+
+
+def main():
+    parser = build_parser()
     args = parser.parse_args()
+    cases = [args] if args.cases is None else [parser.parse_args(case)
+                                               for case in json.load(open(args.cases))]
+    for case in cases:
+        if not case.hf_dir or not case.out:
+            parser.error("every case needs --hf-dir and --out")
+    for case in cases:
+        run_case(case)
+    distributed.destroy()
+
+
+def run_case(args):
     ctx = distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                        virtual_pipeline_model_parallel_size=args.vpp,
@@ -177,7 +198,6 @@ def main():
                     "schedule_scalar_reads": reads.count,
                     "device": str(next(chunks[0].parameters()).device),
                     "transformer_engine": info.use_te}, args.out)
-    distributed.destroy()
 
 
 if __name__ == "__main__":

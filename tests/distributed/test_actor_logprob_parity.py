@@ -3,29 +3,15 @@ Qwen2 (tied, QKV bias), Llama (untied), Qwen3 and Qwen3-MoE checkpoints, at TP1x
 TP1xPP2, TP2xPP2 (and PP2 x 2 virtual stages), with expert and sequence parallelism, on a
 right-padded batch of different lengths (padded or packed micro-batches), and with every
 sequence split over context-parallel ranks."""
-import json
-
 import pytest
 import torch
 
 from rlep_megatron.checkpoint.verify import hf_token_logprobs, max_abs_logprob_diff
-from tests.torchrun import run_torchrun
+from tests.torchrun import Cases
 
 pytestmark = pytest.mark.distributed
 
 PROGRAM = "tests/distributed/actor_logprob_program.py"
-
-# Every case of this module as (ranks, model, program arguments). The cases of one rank count
-# run in one launch of the program (``--cases``), started by the first test that needs one of
-# them: start-up (imports, process group) is most of a case's time, the layout is rebuilt for
-# each case. Each test then checks its own case's output.
-CASES: dict[str, tuple[int, str, list[str]]] = {}
-
-
-def case(case_id: str, nproc: int, arch: str, args: list[str]) -> str:
-    assert case_id not in CASES, case_id
-    CASES[case_id] = (nproc, arch, args)
-    return case_id
 
 
 def forced_routing(input_ids):
@@ -36,35 +22,25 @@ def forced_routing(input_ids):
             for layer in (1, 2, 3)}
 
 
-_LAUNCHED: dict[int, "dict[str, str] | None"] = {}
+def prompt_batch():
+    from rlep_megatron.actor.forward import pad_sequences
+    from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
+
+    return pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
 
 
-def case_result(case_id: str, request) -> dict:
-    """The program's output for ``case_id``, launching its rank count's cases first if no
-    test has yet."""
-    nproc = CASES[case_id][0]
-    if nproc not in _LAUNCHED:
-        root = request.getfixturevalue("tmp_path_factory").mktemp(f"logprob_cases_{nproc}")
-        from rlep_megatron.actor.forward import pad_sequences
-        from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
+def forced_file(root) -> dict[str, str]:
+    torch.save(forced_routing(prompt_batch()[0]), root / "forced.pt")
+    return {"FORCED": str(root / "forced.pt")}
 
-        input_ids, _ = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
-        torch.save(forced_routing(input_ids), root / "forced.pt")
-        outs, arguments = {}, []
-        for name, (ranks, arch, args) in CASES.items():
-            if ranks != nproc:
-                continue
-            outs[name] = str(root / f"{name}.pt")
-            args = [str(root / "forced.pt") if a == "FORCED" else a for a in args]
-            arguments.append(["--hf-dir", request.getfixturevalue(f"tiny_{arch}_dir"),
-                              "--out", outs[name], *args])
-        (root / "cases.json").write_text(json.dumps(arguments))
-        _LAUNCHED[nproc] = None  # a failed launch is reported once, by the test that ran it
-        run_torchrun(PROGRAM, nproc, ["--cases", str(root / "cases.json")], timeout_s=1200)
-        _LAUNCHED[nproc] = outs
-    if _LAUNCHED[nproc] is None:
-        pytest.fail(f"the launch of the {nproc}-rank cases failed (see the first of its tests)")
-    return torch.load(_LAUNCHED[nproc][case_id])
+
+# every case of this module (ranks, model, arguments); the cases of one rank count run in one
+# launch of the program
+CASES = Cases(PROGRAM, "logprob_cases", placeholders=forced_file)
+
+
+def case(case_id: str, nproc: int, arch: str, args: list[str]) -> str:
+    return CASES.add(case_id, nproc, arch, args)
 
 
 # every layout on the tied Qwen2 model (virtual pipeline stages too); Llama and Qwen3 at TP1
@@ -102,7 +78,7 @@ def test_logprobs_match_transformers(case_id, request):
     ("qwen3-cp2-pp2-packed", 4, "qwen3", ["--cp", "2", "--pp", "2", "--pack-max-tokens", "64"]),
 ]])
 def test_expert_and_sequence_parallel_logprobs_match_transformers(case_id, request):
-    arch = CASES[case_id][1]
+    arch = CASES.cases[case_id][1]
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     result = check_against_transformers(case_id, request)
     if arch == "qwen3_moe":
@@ -123,7 +99,7 @@ def test_context_parallel_attention_with_a_wrong_mask_fails(case_id, tiny_qwen2_
     (other ranks' keys masked out), or sees the keys other ranks hold without the causal mask
     (future tokens leak in). The parity check must see both. (They run in the same launch as
     correct CP cases, after them: each case restores the mask.)"""
-    result = case_result(case_id, request)
+    result = CASES.result(case_id, request)
     reference = hf_token_logprobs(tiny_qwen2_dir, result["input_ids"], result["lengths"])
     assert max_abs_logprob_diff(result["logp"], reference, result["lengths"]) > 1e-2
 
@@ -146,8 +122,8 @@ def hf_expert_counts(hf_dir, input_ids, lengths):
 
 
 def check_against_transformers(case_id, request):
-    hf_dir = request.getfixturevalue(f"tiny_{CASES[case_id][1]}_dir")
-    result = case_result(case_id, request)
+    hf_dir = request.getfixturevalue(f"tiny_{CASES.cases[case_id][1]}_dir")
+    result = CASES.result(case_id, request)
     reference = hf_token_logprobs(hf_dir, result["input_ids"], result["lengths"])
     diff = max_abs_logprob_diff(result["logp"], reference, result["lengths"])
     assert diff <= 1e-5, f"max |delta logprob| = {diff}"
@@ -174,12 +150,9 @@ def test_replayed_routing_reaches_every_token(case_id, tiny_qwen3_moe_dir, reque
     and layer, whatever the micro-batch layout. The given experts are random (not what the
     router would choose), and the log-probs equal transformers' with its routers forced to the
     same experts."""
-    from rlep_megatron.actor.forward import pad_sequences
-    from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
-
-    input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
+    input_ids, lengths = prompt_batch()
     forced = forced_routing(input_ids)
-    result = case_result(case_id, request)
+    result = CASES.result(case_id, request)
     assert torch.equal(result["input_ids"], input_ids)
     reference = hf_forced_logprobs(tiny_qwen3_moe_dir, input_ids, lengths, forced)
     diff = max_abs_logprob_diff(result["logp"], reference, lengths)

@@ -6,17 +6,58 @@ from safetensors.torch import load_file
 
 from rlep_megatron.algo import policy_loss
 from tests.distributed.actor_train_program import global_batch
-from tests.torchrun import run_torchrun
+from tests.torchrun import Cases
 
 pytestmark = pytest.mark.distributed
 
 PROGRAM = "tests/distributed/actor_train_program.py"
 
+# Every step the tests below take, (model, ranks, TP, PP, arguments): the steps of one rank
+# count run in one launch of the program, each from a freshly built model in its own layout.
+STEPS = Cases(PROGRAM, "train_steps")
+REALISTIC = ("--adam-eps", "1e-6", "--weight-decay", "1.0")
+ROUTER_LOSSES = ("--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+                 "--micro-batch-max-tokens", "1000")
+for _key in (
+        # parity across layouts and against transformers, per dense architecture
+        *[(arch, nproc, tp, pp, extra) for arch in ("qwen2", "qwen3", "llama")
+          for nproc, tp, pp, extra in ((1, 1, 1, ()), (1, 1, 1, REALISTIC), (4, 2, 2, ()),
+                                       (2, 1, 1, ()))],
+        # the distributed optimizer
+        ("qwen2", 2, 1, 1, ("--distributed-optimizer",)),
+        ("qwen2", 4, 2, 1, ("--distributed-optimizer",)),
+        # sequence and context parallelism, chunked log-probs
+        ("qwen2", 1, 1, 1, ("--logprob-chunk", "0")),
+        ("qwen2", 2, 2, 1, ("--sp", "--logprob-chunk", "5")),
+        ("qwen2", 4, 2, 2, ("--sp", "--logprob-chunk", "5", "--packing")),
+        ("qwen2", 4, 2, 1, ("--sp", "--logprob-chunk", "5", "--cp", "2", "--packing")),
+        ("qwen2", 4, 1, 1, ("--logprob-chunk", "5", "--cp", "2", "--distributed-optimizer")),
+        # recompute, virtual pipeline stages
+        ("qwen2", 1, 1, 1, ("--recompute",)),
+        ("qwen2", 2, 1, 2, ("--vpp", "2")),
+        # mixture of experts
+        ("qwen3_moe", 1, 1, 1, REALISTIC),
+        ("qwen3_moe", 1, 1, 1, ()),
+        ("qwen3_moe", 2, 1, 1, ("--ep", "2", "--packing", "--distributed-optimizer")),
+        ("qwen3_moe", 4, 2, 1, ("--ep", "2", "--sp")),
+        ("qwen3_moe", 4, 2, 1, ("--ep", "2", "--sp", "--packing", "--routing-replay",
+                                "--recompute")),
+        ("qwen3_moe", 4, 1, 2, ("--ep", "2", "--micro-batch-max-tokens", "24",
+                                "--routing-replay", "--recompute")),
+        ("qwen3_moe", 1, 1, 1, ROUTER_LOSSES),
+        ("qwen3_moe", 1, 1, 1, ROUTER_LOSSES + ("--packing",)),
+        ("qwen3_moe", 2, 2, 1, ROUTER_LOSSES + ("--sp", "--packing")),
+        ("qwen3_moe", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
+        # scalar reads per micro-batch
+        ("qwen2", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
+        ("qwen2", 1, 1, 1, ("--micro-batch-max-tokens", "20"))):
+    _arch, _nproc, _tp, _pp, _extra = _key
+    STEPS.add(_key, _nproc, _arch, ("--tp", _tp, "--pp", _pp, *_extra))
 
-def train(hf_dir, nproc, tp, pp, out, *extra):
-    run_torchrun(PROGRAM, nproc, ["--hf-dir", hf_dir, "--tp", str(tp), "--pp", str(pp),
-                                  "--out", str(out), *extra])
-    return torch.load(out)
+
+def train(request, arch, nproc, tp, pp, *extra):
+    """The output of one declared step (launching its rank count's steps if none has run)."""
+    return STEPS.result((arch, nproc, tp, pp, tuple(extra)), request)
 
 
 def reference_step(hf_dir, old_logp, eps=1e-3, weight_decay=0.1):
@@ -41,9 +82,9 @@ def reference_step(hf_dir, old_logp, eps=1e-3, weight_decay=0.1):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_train_step_parity_across_layouts_and_against_transformers(arch, request, tmp_path):
+def test_train_step_parity_across_layouts_and_against_transformers(arch, request):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    single = train(hf_dir, 1, 1, 1, tmp_path / "tp1pp1.pt")
+    single = train(request, arch, 1, 1, 1)
     initial = load_file(f"{hf_dir}/model.safetensors")
     update = max((single["weights"][k] - initial[k]).abs().max().item() for k in initial)
     assert update > 5e-4  # the step really moved the weights (lr 1e-3)
@@ -59,8 +100,7 @@ def test_train_step_parity_across_layouts_and_against_transformers(arch, request
     # 1e-5 at eps = 1e-8 (measured on a few elements near zero gradient). Every tensor: max
     # <= 1e-5 and at most 1 in 1000 elements above 2e-6 (the weight decay alone moves an
     # element by 2e-5).
-    realistic = train(hf_dir, 1, 1, 1, tmp_path / "realistic.pt", "--adam-eps", "1e-6",
-                      "--weight-decay", "1.0")
+    realistic = train(request, arch, 1, 1, 1, *REALISTIC)
     reference, reference_loss = reference_step(hf_dir, realistic["old_logp"], eps=1e-6,
                                                weight_decay=1.0)
     assert realistic["metrics"]["pg_loss"] == pytest.approx(reference_loss, abs=1e-5)
@@ -75,7 +115,7 @@ def test_train_step_parity_across_layouts_and_against_transformers(arch, request
     assert moved > 5e-4
 
     for nproc, tp, pp in ((4, 2, 2), (2, 1, 1)):  # TP2xPP2; DP=2 over the same global batch
-        other = train(hf_dir, nproc, tp, pp, tmp_path / f"{nproc}-{tp}-{pp}.pt")
+        other = train(request, arch, nproc, tp, pp)
         assert sorted(other["weights"]) == sorted(single["weights"])
         for name, tensor in single["weights"].items():
             torch.testing.assert_close(other["weights"][name], tensor, rtol=0, atol=1e-6,
@@ -86,13 +126,12 @@ def test_train_step_parity_across_layouts_and_against_transformers(arch, request
                                                             abs=1e-6)
 
 
-def test_distributed_optimizer_gives_the_same_step(tiny_qwen2_dir, tmp_path):
+def test_distributed_optimizer_gives_the_same_step(request):
     """megatron's distributed optimizer (gradients reduce-scattered, Adam state and update
     sharded over DP ranks, parameters all-gathered) against the replicated optimizer at DP=1."""
-    single = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / "single.pt")
+    single = train(request, "qwen2", 1, 1, 1)
     for nproc, tp in ((2, 1), (4, 2)):  # DP=2; TP2 x DP2
-        sharded = train(tiny_qwen2_dir, nproc, tp, 1, tmp_path / f"dist-{nproc}.pt",
-                        "--distributed-optimizer")
+        sharded = train(request, "qwen2", nproc, tp, 1, "--distributed-optimizer")
         assert sharded["optimizers"] == ["DistributedOptimizer"]
         # rank 0 holds its share of the Adam state: 1 / DP of the (TP-sharded) parameters
         assert sharded["adam_state_numel"] == pytest.approx(
@@ -104,21 +143,19 @@ def test_distributed_optimizer_gives_the_same_step(tiny_qwen2_dir, tmp_path):
                                        msg=f"{name} with the distributed optimizer x{nproc}")
 
 
-def test_sequence_and_context_parallel_and_chunked_logprobs_give_the_same_step(tiny_qwen2_dir,
-                                                                               tmp_path):
+def test_sequence_and_context_parallel_and_chunked_logprobs_give_the_same_step(request):
     """TP2 with sequence parallelism (padded, and packed x PP2), context parallelism (CP2 x TP2
     + SP packed, CP2 x DP2 padded) and the log-probs computed from the hidden states a few
     tokens at a time (logits recomputed in the backward) against TP1 with the full logits: the
     same updated weights."""
-    full = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / "full.pt", "--logprob-chunk", "0")
+    full = train(request, "qwen2", 1, 1, 1, "--logprob-chunk", "0")
     for nproc, tp, pp, extra in ((2, 2, 1, ()), (4, 2, 2, ("--packing",)),
                                  # context parallelism: CP2 x TP2 + SP (packed), and CP2 x DP2
                                  # with the distributed optimizer
                                  (4, 2, 1, ("--cp", "2", "--packing")),
                                  (4, 1, 1, ("--cp", "2", "--distributed-optimizer"))):
         sp = ("--sp",) if tp > 1 else ()
-        other = train(tiny_qwen2_dir, nproc, tp, pp, tmp_path / f"sp-{nproc}-{tp}-{pp}.pt", *sp,
-                      "--logprob-chunk", "5", *extra)
+        other = train(request, "qwen2", nproc, tp, pp, *sp, "--logprob-chunk", "5", *extra)
         assert other["metrics"]["grad_norm"] == pytest.approx(full["metrics"]["grad_norm"],
                                                               rel=1e-5)
         for name, tensor in full["weights"].items():
@@ -126,18 +163,14 @@ def test_sequence_and_context_parallel_and_chunked_logprobs_give_the_same_step(t
                                        msg=f"{name} at TP{tp} PP{pp} {extra}, chunks of 5")
 
 
-def test_recompute_and_virtual_pipeline_give_the_same_step(tiny_qwen2_dir, tmp_path):
-    plain = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / "plain.pt")
-    run_torchrun(PROGRAM, 1, ["--hf-dir", tiny_qwen2_dir, "--recompute", "--out",
-                              str(tmp_path / "recompute.pt")])
-    recompute = torch.load(tmp_path / "recompute.pt")
+def test_recompute_and_virtual_pipeline_give_the_same_step(request):
+    plain = train(request, "qwen2", 1, 1, 1)
+    recompute = train(request, "qwen2", 1, 1, 1, "--recompute")
     for name, tensor in plain["weights"].items():
         torch.testing.assert_close(recompute["weights"][name], tensor, rtol=0, atol=1e-7)
     # PP=2 x 2 virtual stages: megatron's interleaved schedule, micro-batches padded to one
     # shape (masked rows) and cut to a multiple of PP
-    run_torchrun(PROGRAM, 2, ["--hf-dir", tiny_qwen2_dir, "--pp", "2", "--vpp", "2",
-                              "--out", str(tmp_path / "vpp.pt")])
-    interleaved = torch.load(tmp_path / "vpp.pt")
+    interleaved = train(request, "qwen2", 2, 1, 2, "--vpp", "2")
     assert interleaved["metrics"]["num_micro_batches"] % 2 == 0
     for name, tensor in plain["weights"].items():
         torch.testing.assert_close(interleaved["weights"][name], tensor, rtol=0, atol=1e-6)
@@ -146,14 +179,13 @@ def test_recompute_and_virtual_pipeline_give_the_same_step(tiny_qwen2_dir, tmp_p
 
 
 def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen3_moe_dir,
-                                                                       tmp_path):
+                                                                       request):
     """Tiny Qwen3-MoE (8 experts, top-2; no auxiliary loss): one step at EP1 equals
     transformers + AdamW, and the same step with the experts split over 2 EP ranks (packed,
     distributed optimizer) and over TP2 x EP2 with sequence parallelism equals EP1 on every
     weight; every expert comes back through the weight-sync stream."""
     hf_dir = tiny_qwen3_moe_dir
-    single = train(hf_dir, 1, 1, 1, tmp_path / "ep1.pt", "--adam-eps", "1e-6",
-                   "--weight-decay", "1.0")
+    single = train(request, "qwen3_moe", 1, 1, 1, *REALISTIC)
     reference, reference_loss = reference_step(hf_dir, single["old_logp"], eps=1e-6,
                                                weight_decay=1.0)
     reference = per_expert_names(reference)
@@ -174,10 +206,10 @@ def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen
     assert sum((single["weights"][k] - initial[k]).abs().max() > 1e-4 for k in experts) > 30
 
     # layouts compared at the default Adam eps (1e-3), as in the dense test
-    single = train(hf_dir, 1, 1, 1, tmp_path / "ep1-default.pt")
+    single = train(request, "qwen3_moe", 1, 1, 1)
     for nproc, tp, extra in ((2, 1, ("--ep", "2", "--packing", "--distributed-optimizer")),
                              (4, 2, ("--ep", "2", "--sp"))):
-        other = train(hf_dir, nproc, tp, 1, tmp_path / f"{nproc}.pt", *extra)
+        other = train(request, "qwen3_moe", nproc, tp, 1, *extra)
         assert sorted(other["weights"]) == sorted(single["weights"])
         for name, tensor in single["weights"].items():
             torch.testing.assert_close(other["weights"][name], tensor, rtol=0, atol=1e-6,
@@ -192,8 +224,8 @@ def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen
     # forward passes (the replayed experts are queued per layer)
     for tp, pp, extra in ((2, 1, ("--ep", "2", "--sp", "--packing")),
                           (1, 2, ("--ep", "2", "--micro-batch-max-tokens", "24"))):
-        replayed = train(hf_dir, 4, tp, pp, tmp_path / f"replayed{tp}{pp}.pt", *extra,
-                         "--routing-replay", "--recompute")
+        replayed = train(request, "qwen3_moe", 4, tp, pp, *extra, "--routing-replay",
+                         "--recompute")
         for name, tensor in single["weights"].items():
             torch.testing.assert_close(replayed["weights"][name], tensor, rtol=0, atol=1e-6,
                                        msg=f"{name} with routing replay, TP{tp} PP{pp}")
@@ -242,15 +274,13 @@ def router_losses_in_float64(hf_dir, input_ids, lengths):
     return float(torch.stack(aux).mean()), float(torch.stack(z).mean())
 
 
-def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, tmp_path):
+def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, request):
     """algo.moe_aux_loss_coeff / moe_z_loss_coeff: the reported (unweighted) losses of a step
     whose mini-batch is one micro-batch equal the float64 re-derivation over its real tokens,
     padded or packed, and with the tokens split over TP2 + SP (partial sums); and the losses
     reach the gradient: the routers' weights move differently than without them."""
     hf_dir = tiny_qwen3_moe_dir
-    coeffs = ("--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
-              "--micro-batch-max-tokens", "1000")
-    runs = {name: train(hf_dir, nproc, tp, 1, tmp_path / f"{name}.pt", *coeffs, *extra)
+    runs = {name: train(request, "qwen3_moe", nproc, tp, 1, *ROUTER_LOSSES, *extra)
             for name, nproc, tp, extra in (("padded", 1, 1, ()), ("packed", 1, 1, ("--packing",)),
                                            ("tp2-sp", 2, 2, ("--sp", "--packing")))}
     input_ids, _, _, _, _ = global_batch()
@@ -263,7 +293,7 @@ def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, t
         # shards hold different numbers of real tokens: their average is near the whole mean
         assert run["metrics"]["moe/z_loss"] == pytest.approx(
             z, rel=0.1 if name == "tp2-sp" else 1e-5), name
-    plain = train(hf_dir, 1, 1, 1, tmp_path / "plain.pt", "--micro-batch-max-tokens", "1000")
+    plain = train(request, "qwen3_moe", 1, 1, 1, "--micro-batch-max-tokens", "1000")
     assert "moe/aux_loss" not in plain["metrics"]
     routers = [k for k in plain["weights"] if k.endswith("mlp.gate.weight")]
     assert len(routers) == 3
@@ -271,15 +301,14 @@ def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, t
                for k in routers) > 1e-5
 
 
-def test_step_metrics_make_no_scalar_read_per_micro_batch(tiny_qwen2_dir, tmp_path):
+def test_step_metrics_make_no_scalar_read_per_micro_batch(request):
     """The loss's metrics stay on the device through megatron's schedule (summed there, read
     in one transfer after it): the scalar reads inside the schedule (each a wait for the device
     on a GPU) do not grow with the number of micro-batches. The loss metrics read one by one
     (about 25 per micro-batch) fail this."""
     reads = {}
     for budget in (1000, 20):
-        out = train(tiny_qwen2_dir, 1, 1, 1, tmp_path / f"{budget}.pt",
-                    "--micro-batch-max-tokens", str(budget))
+        out = train(request, "qwen2", 1, 1, 1, "--micro-batch-max-tokens", str(budget))
         reads[out["metrics"]["num_micro_batches"]] = out["schedule_scalar_reads"]
     assert sorted(reads)[0] == 1 and sorted(reads)[1] >= 4, reads
     assert len(set(reads.values())) == 1, f"scalar reads per micro-batch count: {reads}"
