@@ -85,7 +85,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rlep_megatron.trainer import run_train
 
     cfg = _load_for_job(args)
-    out = run_train(cfg)
+    out = run_train(cfg, release=not args.process_ends)
     logger.info("training finished: %s", out)
     return 0
 
@@ -94,7 +94,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     from rlep_megatron.collect import run_collect
 
     cfg = _load_for_job(args)
-    run_collect(cfg)
+    run_collect(cfg, release=not args.process_ends)
     return 0
 
 
@@ -102,7 +102,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rlep_megatron.evaluate import run_eval
 
     cfg = _load_for_job(args)
-    run_eval(cfg)
+    run_eval(cfg, release=not args.process_ends)
     return 0
 
 
@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlep_megatron.platform import DeviceError
 
     args = build_parser().parse_args(argv)
+    # run as a program (console script, python -m): a job that finished ends its process at
+    # once, its files written and closed; called with argv (in-process), it releases everything
+    args.process_ends = argv is None
     setup_logging(log_all_ranks=getattr(args, "log_all_ranks", False))
     if args.command in _ENGINE_JOBS:
         # no full garbage collections over the import-time heap while the job starts; resumed
@@ -245,7 +248,14 @@ def main(argv: list[str] | None = None) -> int:
 
         pause_gc_for_startup()
     try:
-        return args.func(args)
+        code = args.func(args)
+        if code == 0 and args.process_ends and args.command in _ENGINE_JOBS:
+            # the engine and the process group were left running: skip vLLM's shutdown and
+            # the interpreter's teardown (several full garbage collections over a large heap)
+            from rlep_megatron.distributed import end_process
+
+            end_process(0)
+        return code
     except (ValueError, FileNotFoundError, FileExistsError, DeviceError) as err:
         # once per process (an error on one rank only must still be seen)
         where = f" (rank {get_rank()})" if in_multi_rank_job() else ""

@@ -63,8 +63,9 @@ def _job_signature(cfg, checkpoint: str, rows) -> str:
     return digest.hexdigest()[:16]
 
 
-def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
-    """Returns the pool path. ``stop_after_shards`` ends the job early (tests of restarts)."""
+def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = True) -> str:
+    """Returns the pool path. ``stop_after_shards`` ends the job early (tests of restarts);
+    ``release``: as for :func:`rlep_megatron.rollout.loading.engine_and_scorer`."""
     from rlep_megatron.data.prompts import tokenize_prompt
     from rlep_megatron.data.schema import read_prompt_files
     from rlep_megatron.replay.writer import pool_rows, write_pool
@@ -89,7 +90,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None) -> str:
     shard_dir = out + ".shards"
     signature = _job_signature(cfg, checkpoint, rows)
     shards = _shard_ranges(len(rows), c.num_shards)
-    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed) as (engine, scorer):
+    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed, release) as (engine, scorer):
         rank0 = distributed.is_rank0()
         if rank0:
             os.makedirs(shard_dir, exist_ok=True)

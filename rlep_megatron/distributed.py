@@ -219,6 +219,12 @@ def exit_now_if_multi_rank(code: int) -> None:
     that this rank will never join; a single-rank run returns normally."""
     if not in_multi_rank_job():
         return
+    end_process(code)
+
+
+def end_process(code: int) -> None:
+    """Flush the logs and end this process with ``code`` at once, without the interpreter's
+    own teardown (atexit hooks, module and object finalisers)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

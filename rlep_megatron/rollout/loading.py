@@ -61,13 +61,15 @@ def open_engine(cfg, checkpoint: str, max_model_len: int, seed: int):
 
 
 @contextlib.contextmanager
-def engine_and_scorer(cfg, checkpoint: str, seed: int):
+def engine_and_scorer(cfg, checkpoint: str, seed: int, release: bool = True):
     """``with engine_and_scorer(cfg, checkpoint, seed) as (engine, scorer):`` the engine of
     :func:`open_engine` (prompt + response budget of ``cfg``) and a scorer pool, for the jobs
     that only sample and score (``rlep collect``, ``rlep eval``). A normal exit shuts both down
-    together with the process group; after an exception only this process's scorer workers are
-    stopped: the other ranks may be blocked in a collective, so no collective is entered (the
-    CLI then ends the process)."""
+    together with the process group (``release=False``: the scorer only, after a barrier; the
+    engine and the process group are left to the end of the process, which the CLI ends at
+    once); after an exception only this process's scorer workers are stopped: the other ranks
+    may be blocked in a collective, so no collective is entered (the CLI then ends the
+    process)."""
     from rlep_megatron.reward import make_scorer_pool
 
     engine = open_engine(cfg, checkpoint, cfg.data.max_prompt_tokens
@@ -80,8 +82,9 @@ def engine_and_scorer(cfg, checkpoint: str, seed: int):
         raise
     scorer.close()
     distributed.barrier()
-    engine.shutdown()
-    distributed.destroy()
+    if release:
+        engine.shutdown()
+        distributed.destroy()
 
 
 def _dtype_name(cfg) -> str:

@@ -4,25 +4,30 @@ import pytest
 import torch
 
 from tests.distributed.actor_train_program import global_batch
-from tests.distributed.test_actor_train_step import train
+from tests.distributed.test_actor_train_step import STEPS, train
 
 pytestmark = pytest.mark.distributed
 
 LAYOUTS = {"TP1": (1, 1, 1), "TP2xPP2": (4, 2, 2), "DP2": (2, 1, 1), "PP2xVPP2": (2, 1, 2)}
 
 
-@pytest.fixture(scope="module")
-def padded(tiny_qwen2_dir, tmp_path_factory):
-    return train(tiny_qwen2_dir, 1, 1, 1, tmp_path_factory.mktemp("padded") / "padded.pt")
+def packed_args(layout):
+    # a smaller budget than the padded run's 40 (rows x longest): several packs on every rank
+    return ("--packing", "--micro-batch-max-tokens", "24",
+            *(("--vpp", "2") if layout == "PP2xVPP2" else ()))
+
+
+# taken in the same launches as the train-step module's steps of the same rank count
+for _layout, (_nproc, _tp, _pp) in LAYOUTS.items():
+    STEPS.add(("qwen2", _nproc, _tp, _pp, packed_args(_layout)), _nproc, "qwen2",
+              ("--tp", _tp, "--pp", _pp, *packed_args(_layout)))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_equals_padded(layout, padded, tiny_qwen2_dir, tmp_path):
+def test_packed_equals_padded(layout, request):
     nproc, tp, pp = LAYOUTS[layout]
-    extra = ["--vpp", "2"] if layout == "PP2xVPP2" else []
-    # a smaller budget than the padded run's 40 (rows x longest): several packs on every rank
-    packed = train(tiny_qwen2_dir, nproc, tp, pp, tmp_path / "packed.pt", "--packing",
-                   "--micro-batch-max-tokens", "24", *extra)
+    padded = train(request, "qwen2", 1, 1, 1)
+    packed = train(request, "qwen2", nproc, tp, pp, *packed_args(layout))
     _, response_mask, _, _, _ = global_batch()
     lengths = packed["lengths"]
     columns = torch.arange(response_mask.shape[1])
