@@ -228,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run a subcommand. In a job of several ranks, a failure on any rank ends that process at
     once with its error printed (no clean-up that waits for the other ranks, which may be
     blocked in a collective): torchrun then stops the other ranks, and ranks launched
-    otherwise see their peer's connection close and fail the same way."""
+    otherwise see their peer's connection close and fail the same way. Without ``argv`` (the
+    ``rlep`` program itself), a train/collect/eval that finished ends the process at once,
+    after its files are written and closed, without returning; with ``argv`` every job
+    returns its exit code and releases its engine and process group."""
     # torch, megatron and vLLM are imported by the subcommands, not by this module: processes
     # started with ``spawn`` (the reward scorer's workers) import the main module again, and
     # should not pay for torch
-    from rlep_megatron.distributed import (exit_now_if_multi_rank, get_rank,
-                                           in_multi_rank_job, setup_logging)
-    from rlep_megatron.platform import DeviceError
+    from rlep_megatron.distributed import setup_logging
 
     args = build_parser().parse_args(argv)
     # run as a program (console script, python -m): a job that finished ends its process at
@@ -247,6 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         from rlep_megatron.platform.heap import pause_gc_for_startup
 
         pause_gc_for_startup()
+    try:
+        return _run_job(args)
+    finally:
+        if args.command in _ENGINE_JOBS:
+            from rlep_megatron.platform.heap import resume_gc
+
+            resume_gc()  # a job that ended before its engine was built
+
+
+def _run_job(args: argparse.Namespace) -> int:
+    from rlep_megatron.distributed import exit_now_if_multi_rank, get_rank, in_multi_rank_job
+    from rlep_megatron.platform import DeviceError
+
     try:
         code = args.func(args)
         if code == 0 and args.process_ends and args.command in _ENGINE_JOBS:

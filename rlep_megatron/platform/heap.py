@@ -9,9 +9,12 @@ done earlier:
 
 * :func:`pause_gc_for_startup` (the CLI, first thing in a job): no automatic collection while
   the job imports and builds its models; reference counting still frees everything acyclic.
-* :func:`freeze_startup_heap` (before the engine is built, and at the end of set-up): one full
-  collection, so that no garbage is frozen, then ``gc.freeze()``, and automatic collection back
-  on if it was paused. vLLM's own collections then walk only what the engine creates.
+* :func:`freeze_startup_heap` (:class:`rlep_megatron.rollout.RolloutEngine`, before vLLM
+  builds its engine): one full collection, so that no garbage is frozen, then ``gc.freeze()``,
+  and automatic collection back on if it was paused. vLLM's own collections then walk only what
+  the engine creates.
+* :func:`resume_gc` (the CLI, when the job returns or fails): automatic collection back on if a
+  job ended before its engine was built.
 """
 from __future__ import annotations
 
@@ -35,6 +38,15 @@ def freeze_startup_heap() -> None:
     global _paused
     gc.collect()
     gc.freeze()
+    if _paused:
+        gc.enable()
+        _paused = False
+
+
+def resume_gc() -> None:
+    """Automatic collection back on if :func:`pause_gc_for_startup` paused it and nothing has
+    resumed it since."""
+    global _paused
     if _paused:
         gc.enable()
         _paused = False

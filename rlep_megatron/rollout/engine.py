@@ -302,7 +302,7 @@ class RolloutEngine:
             for index, output, request in zip(mine, outputs, params):
                 local.append([_response(index, completion, tokenizer,
                                         routes.get(request.seed + completion.index),
-                                        len(prompts[index]))
+                                        prompts[index])
                               for completion in output.outputs])
         return self._all_gather(local, len(prompts))
 
@@ -362,9 +362,6 @@ class RolloutEngine:
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-            # vLLM's shutdown unfroze its start-up heap; what survived the collection above is
-            # not garbage, so the interpreter's last collection at exit need not walk it again
-            gc.freeze()
 
     # ------------------------------------------------------------------ memory hand-off
 
@@ -408,8 +405,32 @@ class RolloutEngine:
             self.wake_up()
 
 
+_CONTEXT_TOKENS = 8
+
+
+def _decode_response(tokenizer, prompt: list[int], token_ids: list[int]) -> str:
+    """The response's text as vLLM's detokenizer gives it: decoded after the prompt's last
+    tokens (a tokenizer whose decoder drops the leading space of a text's first word, as
+    SentencePiece's does, keeps the space a response starts with), special tokens skipped, no
+    clean-up of spaces, and the bytes of a character the response ends inside (byte-level tokens
+    cut by the length budget) not shown as a replacement character."""
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False)
+
+    context = list(prompt[max(0, len(prompt) - _CONTEXT_TOKENS):])
+    text = None
+    if context:
+        prefix, full = decode(context), decode(context + token_ids)
+        if full.startswith(prefix):
+            text = full[len(prefix):]
+    if text is None:
+        text = decode(token_ids)
+    return text.rstrip("\ufffd")
+
+
 def _response(index: int, completion, tokenizer, routing=None,
-              prompt_length: int = 0) -> Response:
+              prompt: tuple[int, ...] | list[int] = ()) -> Response:
     token_ids = list(completion.token_ids)
     entries = completion.logprobs
     if entries is None:
@@ -425,16 +446,14 @@ def _response(index: int, completion, tokenizer, routing=None,
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for "
                            f"{len(token_ids)} sampled tokens")
     finish_reason = completion.finish_reason or "length"
-    # the text vLLM itself would give: special tokens skipped, the token that stopped the
-    # response (EOS or a stop token id, included in token_ids) left out even if not special,
-    # and the bytes of a character the response ends inside (byte-level tokens cut by the
-    # length budget) not shown as a replacement character
-    text = tokenizer.decode(token_ids[:-1] if finish_reason == "stop" else token_ids,
-                            skip_special_tokens=True).rstrip("\ufffd")
+    # the token that stopped the response (EOS or a stop token id, included in token_ids) is
+    # not part of vLLM's text, special or not
+    text = _decode_response(tokenizer, list(prompt),
+                            token_ids[:-1] if finish_reason == "stop" else token_ids)
     if routing is not None:
         # one row per position of prompt + response: an engine that schedules one more
         # forward after a stop (async scheduling) captured a row past the end
-        length = prompt_length + len(token_ids)
+        length = len(prompt) + len(token_ids)
         routing = routing[:length]
         if len(routing) < length:
             routing = np.concatenate([routing, np.full((length - len(routing),

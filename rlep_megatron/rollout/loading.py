@@ -116,4 +116,12 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, s
     logger.info("loaded %s into the engine (%d tensors, %.2f GB)", checkpoint,
                 result["tensors"], result["bytes"] / 1e9)
     del chunks
+    # the actor was alive when the heap was frozen (before the engine was built, and by vLLM
+    # after): whatever of it sits in reference cycles is freed only by a collection over the
+    # unfrozen heap
+    import gc
+
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
     return engine

@@ -6,6 +6,7 @@ are paid once, the model-parallel layout is rebuilt for each case."""
 import argparse
 import contextlib
 import json
+import os
 
 import torch
 
@@ -55,7 +56,10 @@ def main():
     for case in cases:
         if not case.hf_dir or not case.out:
             parser.error("every case needs --hf-dir and --out")
-    for case in cases:
+    for number, case in enumerate(cases):
+        if args.cases is not None and int(os.environ.get("RANK", "0")) == 0:
+            # which case a failure belongs to, in the output's tail
+            print(f"case {number}: {json.load(open(args.cases))[number]}", flush=True)
         run_case(case)
     distributed.destroy()
 

@@ -370,3 +370,16 @@ def test_startup_heap_is_collected_then_frozen_and_collection_resumes():
         gc.unfreeze()
         gc.enable()
 
+
+
+def test_a_job_that_fails_before_its_engine_leaves_collection_on(tmp_path):
+    """`rlep train` pauses automatic collection while it starts; called in-process, a job that
+    fails before building its engine (here: a recipe that does not exist) returns its error
+    code with collection back on."""
+    import gc
+
+    from rlep_megatron import cli
+
+    assert gc.isenabled()
+    assert cli.main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert gc.isenabled()

@@ -226,8 +226,36 @@ def test_a_response_text_is_the_sampled_tokens_decoded_without_the_stop_token(ti
     assert len(accent) == 2 and tokenizer.decode(body + accent[:1]).endswith("\ufffd")
     assert _response(0, completion(body + accent[:1], "length")[0], tokenizer).text == "Answer: 42"
     assert _response(0, completion(body + accent, "length")[0], tokenizer).text == "Answer: 42\u00e9"
+    # after a prompt, as vLLM decodes: the same text here (byte-level tokens)
+    prompt = tokenizer("What is 40+2?", add_special_tokens=False)["input_ids"]
+    stopped, _ = completion(body + [eos], "stop")
+    assert _response(0, stopped, tokenizer, prompt=prompt).text == "Answer: 42"
     # log-prob entries of other tokens than the sampled ones are refused
     wrong = SimpleNamespace(token_ids=body, logprobs=flat(body[::-1], [0.0] * len(body)),
                             text=None, finish_reason="length")
     with pytest.raises(RuntimeError, match="not those of the sampled tokens"):
         _response(0, wrong, tokenizer)
+
+
+def test_a_response_keeps_the_leading_space_a_sentencepiece_decoder_drops_at_the_start():
+    """A tokenizer whose decoder drops the leading space of the text's first word (SentencePiece's
+    Metaspace, as Llama-2 and Mistral have): decoded alone the response's first word loses its
+    space; vLLM decodes it after the prompt and keeps it, and so does the engine."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from rlep_megatron.rollout.engine import _response
+
+    vocab = {"[UNK]": 0, "</s>": 1, "\u2581what": 2, "\u2581is": 3, "\u2581it": 4, "\u2581four": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                        eos_token="</s>")
+    assert tokenizer.decode([5]) == "four"            # alone: the space is gone
+    assert tokenizer.decode([2, 3, 4, 5]) == "what is it four"
+    flat = SimpleNamespace(token_ids=[5, 1], logprobs=[-0.1, -0.2], end_indices=[1, 2])
+    done = SimpleNamespace(token_ids=[5, 1], logprobs=flat, finish_reason="stop")
+    assert _response(0, done, tokenizer, prompt=[2, 3, 4]).text == " four"

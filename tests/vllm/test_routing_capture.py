@@ -147,8 +147,8 @@ def test_a_response_gets_one_row_per_position():
     completion = SimpleNamespace(token_ids=[5, 6, 7], logprobs=logprobs, text="x",
                                  finish_reason="stop")
     rows = np.arange(9 * LAYERS * TOPK, dtype=np.int16).reshape(9, LAYERS, TOPK)
-    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "x")
-    longer = _response(0, completion, tokenizer, rows, prompt_length=5)
+    tokenizer = SimpleNamespace(decode=lambda ids, **options: "x")
+    longer = _response(0, completion, tokenizer, rows, prompt=[1] * 5)
     assert np.array_equal(longer.routing, rows[:8])
-    shorter = _response(0, completion, tokenizer, rows[:7], prompt_length=5)
+    shorter = _response(0, completion, tokenizer, rows[:7], prompt=[1] * 5)
     assert np.array_equal(shorter.routing[:7], rows[:7]) and (shorter.routing[7] == -1).all()
