@@ -169,6 +169,9 @@ class FakeVLLM:
     def reset_prefix_cache(self):
         pass
 
+    def get_tokenizer(self):
+        return None  # nothing to decode: generate returns no outputs
+
     def generate(self, requests, params, use_tqdm=False):
         assert self.weights_valid, "generated from discarded weights"
         self.calls.append("generate")
