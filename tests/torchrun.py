@@ -49,6 +49,34 @@ def run_function(target: str, nproc: int, kwargs: Optional[dict[str, Any]] = Non
     return run_torchrun(runner, nproc, [target, json.dumps(kwargs or {})], timeout_s=timeout_s)
 
 
+def case_parser() -> "argparse.ArgumentParser":
+    """The argument parser of a program that :class:`Cases` launches, with ``--cases FILE`` (a
+    JSON list of argument lists) or one case's ``--hf-dir`` and ``--out``; the program adds
+    its own arguments."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=None,
+                        help="JSON file: a list of argument lists, run one after another")
+    parser.add_argument("--hf-dir")
+    parser.add_argument("--out")
+    return parser
+
+
+def run_cases(parser, run_case: Callable[[Any], None]) -> None:
+    """The command line's one case, or each case of ``--cases`` in turn (its arguments printed
+    first on rank 0, so that a failure's output names its case): ``run_case(args)``."""
+    args = parser.parse_args()
+    argument_lists = None if args.cases is None else json.load(open(args.cases))
+    cases = [args] if argument_lists is None else [parser.parse_args(a) for a in argument_lists]
+    if not all(case.hf_dir and case.out for case in cases):
+        parser.error("every case needs --hf-dir and --out")
+    for number, case in enumerate(cases):
+        if argument_lists is not None and int(os.environ.get("RANK", "0")) == 0:
+            print(f"case {number}: {argument_lists[number]}", flush=True)
+        run_case(case)
+
+
 class Cases:
     """The cases of a torchrun program that takes ``--cases FILE`` (a JSON list of argument
     lists, each with its own ``--hf-dir`` and ``--out``), declared when the test module is

@@ -30,7 +30,8 @@ from rlep_megatron.platform.vllm_cpu import (
 
 __all__ = [
     "DEVICE_MODES", "TRANSFORMER_ENGINE_MODES", "CpuRNGStatesTracker", "DeviceError", "Platform",
-    "choose_device", "cuda_available", "freeze_startup_heap", "fused_softmax_available", "install_megatron_cpu_shim",
+    "choose_device", "cuda_available", "freeze_startup_heap", "fused_softmax_available",
+    "install_megatron_cpu_shim",
     "megatron_config_overrides", "megatron_moe_without_te", "name_vllm_cpu_shm_per_job",
     "nvidia_gpus", "pause_gc_for_startup",
     "quiet_megatron_accelerator_warnings", "refresh_vllm_cpu_embedding_kernels",

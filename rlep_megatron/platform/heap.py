@@ -35,12 +35,9 @@ def freeze_startup_heap() -> None:
     """Collect once, freeze what survives, and resume automatic collection if
     :func:`pause_gc_for_startup` paused it. Safe to call more than once: a later call walks only
     the objects created since the previous one."""
-    global _paused
     gc.collect()
     gc.freeze()
-    if _paused:
-        gc.enable()
-        _paused = False
+    resume_gc()
 
 
 def resume_gc() -> None:
@@ -51,6 +48,3 @@ def resume_gc() -> None:
         gc.enable()
         _paused = False
 
-
-def startup_paused() -> bool:
-    return _paused

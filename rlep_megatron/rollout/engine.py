@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -430,21 +430,14 @@ def _decode_response(tokenizer, prompt: list[int], token_ids: list[int]) -> str:
 
 
 def _response(index: int, completion, tokenizer, routing=None,
-              prompt: tuple[int, ...] | list[int] = ()) -> Response:
+              prompt: Sequence[int] = ()) -> Response:
     token_ids = list(completion.token_ids)
+    # vLLM's flat log-probs (:meth:`RolloutEngine.sampling_params`): with logprobs=0 one entry
+    # per position, the sampled token's
     entries = completion.logprobs
-    if entries is None:
-        logprobs = []
-    elif hasattr(entries, "end_indices"):
-        # vLLM's flat form: with logprobs=0 one entry per position, the sampled token's
-        if list(entries.token_ids) != token_ids:
-            raise RuntimeError("vLLM's log-prob entries are not those of the sampled tokens")
-        logprobs = list(entries.logprobs)
-    else:
-        logprobs = [entry[token].logprob for entry, token in zip(entries, token_ids)]
-    if len(logprobs) != len(token_ids):
-        raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for "
-                           f"{len(token_ids)} sampled tokens")
+    if entries is None or list(entries.token_ids) != token_ids:
+        raise RuntimeError("vLLM's log-prob entries are not those of the sampled tokens")
+    logprobs = list(entries.logprobs)
     finish_reason = completion.finish_reason or "length"
     # the token that stopped the response (EOS or a stop token id, included in token_ids) is
     # not part of vLLM's text, special or not

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 
@@ -119,8 +120,6 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, s
     # the actor was alive when the heap was frozen (before the engine was built, and by vLLM
     # after): whatever of it sits in reference cycles is freed only by a collection over the
     # unfrozen heap
-    import gc
-
     gc.unfreeze()
     gc.collect()
     gc.freeze()

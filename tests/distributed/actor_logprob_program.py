@@ -5,8 +5,6 @@ runs several such cases one after another in the same launch: the imports and th
 are paid once, the model-parallel layout is rebuilt for each case."""
 import argparse
 import contextlib
-import json
-import os
 
 import torch
 
@@ -19,13 +17,11 @@ from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.checkpoint.verify import DEFAULT_PROMPTS
 from rlep_megatron.config import ParallelConfig
 from rlep_megatron.models import layout_limits
+from tests.torchrun import case_parser, run_cases
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default=None,
-                        help="JSON file: a list of argument lists, run one after another")
-    parser.add_argument("--hf-dir")
+    parser = case_parser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None)
@@ -44,23 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the layer spec (model.transformer_engine)")
     parser.add_argument("--pack-max-tokens", type=int, default=None,
                         help="sequence packing (THD) with this token budget per micro-batch")
-    parser.add_argument("--out")
     return parser
 
 
 def main():
-    parser = build_parser()
-    args = parser.parse_args()
-    cases = [args] if args.cases is None else [parser.parse_args(case)
-                                               for case in json.load(open(args.cases))]
-    for case in cases:
-        if not case.hf_dir or not case.out:
-            parser.error("every case needs --hf-dir and --out")
-    for number, case in enumerate(cases):
-        if args.cases is not None and int(os.environ.get("RANK", "0")) == 0:
-            # which case a failure belongs to, in the output's tail
-            print(f"case {number}: {json.load(open(args.cases))[number]}", flush=True)
-        run_case(case)
+    run_cases(build_parser(), run_case)
     distributed.destroy()
 
 

@@ -6,8 +6,6 @@ launch, each from a freshly built model in its own layout."""
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,6 +19,7 @@ from rlep_megatron.actor.routing import RoutingReplay
 from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig
 from rlep_megatron.weight_sync.streamer import WeightStreamer
+from tests.torchrun import case_parser, run_cases
 
 NUM_SEQUENCES = 8
 
@@ -90,10 +89,7 @@ def adam_state_numel(optimizer) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default=None,
-                        help="JSON file: a list of argument lists, run one after another")
-    parser.add_argument("--hf-dir")
+    parser = case_parser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
@@ -118,23 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
-    parser.add_argument("--out")
     return parser
 
 
 def main():
-    parser = build_parser()
-    args = parser.parse_args()
-    cases = [args] if args.cases is None else [parser.parse_args(case)
-                                               for case in json.load(open(args.cases))]
-    for case in cases:
-        if not case.hf_dir or not case.out:
-            parser.error("every case needs --hf-dir and --out")
-    for number, case in enumerate(cases):
-        if args.cases is not None and int(os.environ.get("RANK", "0")) == 0:
-            # which case a failure belongs to, in the output's tail
-            print(f"case {number}: {json.load(open(args.cases))[number]}", flush=True)
-        run_case(case)
+    run_cases(build_parser(), run_case)
     distributed.destroy()
 
 

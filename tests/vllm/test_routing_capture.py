@@ -143,9 +143,8 @@ def test_a_response_gets_one_row_per_position():
 
     from rlep_megatron.rollout.engine import _response
 
-    logprobs = [{token: SimpleNamespace(logprob=-1.0)} for token in (5, 6, 7)]
-    completion = SimpleNamespace(token_ids=[5, 6, 7], logprobs=logprobs, text="x",
-                                 finish_reason="stop")
+    logprobs = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[-1.0] * 3, end_indices=[1, 2, 3])
+    completion = SimpleNamespace(token_ids=[5, 6, 7], logprobs=logprobs, finish_reason="stop")
     rows = np.arange(9 * LAYERS * TOPK, dtype=np.int16).reshape(9, LAYERS, TOPK)
     tokenizer = SimpleNamespace(decode=lambda ids, **options: "x")
     longer = _response(0, completion, tokenizer, rows, prompt=[1] * 5)
