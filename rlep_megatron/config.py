@@ -75,7 +75,8 @@ class ParallelConfig:
     (megatron's load-balanced layout: 2 x CP chunks, chunk i and 2 CP - 1 - i on rank i; each
     sequence padded to a multiple of 2 x CP tokens), dividing activation memory by CP.
     TransformerEngine's attention on GPU, an all-gather of keys and values on the local spec.
-    Dense models only for now."""
+    Combines with TP (+ SP), PP, DP and, for mixture-of-experts models, EP (the expert-parallel
+    ranks may be context-parallel peers: CP2 x EP2 runs on 2 ranks)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside tensor-parallel groups (TP > 1): the norms and
     the activations between the tensor-parallel blocks are split along the sequence, which
@@ -91,10 +92,6 @@ class ParallelConfig:
                     "context_parallel_size", "expert_model_parallel_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallel.{key} must be >= 1, got {getattr(self, key)}")
-        if self.context_parallel_size > 1 and self.expert_model_parallel_size > 1:
-            raise ValueError("parallel.context_parallel_size > 1 with expert parallelism is not "
-                             "supported yet (routing replay and expert counts follow tokens "
-                             "by their place in unsplit sequences); use CP with dense models")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise ValueError("parallel.sequence_parallel=true needs tensor_model_parallel_size "
                              ">= 2 (it splits the sequence across the tensor-parallel ranks)")

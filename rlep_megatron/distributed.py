@@ -83,10 +83,6 @@ def validate_parallel_layout(world_size: int, parallel: ParallelConfig,
         raise ValueError(f"a mixture-of-experts model at tensor_model_parallel_size={tp} needs "
                          "parallel.sequence_parallel=true (megatron-core's MoE layer trains "
                          "only with it at TP > 1)")
-    if num_experts and cp > 1:
-        raise ValueError(f"context_parallel_size={cp} with a mixture-of-experts model is not "
-                         "supported yet (routing replay and expert counts follow tokens by "
-                         "their place in unsplit sequences): use 1")
     if num_experts and num_experts % ep:
         raise ValueError(f"expert_model_parallel_size={ep} does not divide the model's "
                          f"{num_experts} experts; choose a divisor of {num_experts}")

@@ -72,16 +72,18 @@ def match_expert_parallel_count(micro_batches: list, chunks: list[torch.nn.Modul
     """With expert parallelism every forward pass of a MoE layer exchanges tokens with the
     other EP ranks (all-to-all), so they must run the same number of micro-batches, while
     their data-parallel shares may need different counts. The count is agreed as the largest
-    over the data-parallel group (which holds the EP group) and the list is extended with
-    ``filler`` (default: a copy of the first micro-batch), whose results the callers ignore
-    (train steps pass one with no trained token). Without EP the list is returned as is."""
+    over the data- and context-parallel group (which holds the EP group) and the list is
+    extended with ``filler`` (default: a copy of the first micro-batch), whose results the
+    callers ignore (train steps pass one with no trained token). Without EP the list is
+    returned as is."""
     from megatron.core import parallel_state as ps
 
     if (not getattr(chunks[0].config, "num_moe_experts", None)
             or ps.get_expert_model_parallel_world_size() == 1):
         return micro_batches
     count = torch.tensor([float(len(micro_batches))])
-    distributed.all_reduce(count, "max", ps.get_data_parallel_group())
+    distributed.all_reduce(count, "max",
+                           ps.get_data_parallel_group(with_context_parallel=True))
     extra = int(count.item()) - len(micro_batches)
     return micro_batches + [filler or micro_batches[0]] * extra
 

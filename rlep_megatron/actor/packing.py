@@ -146,6 +146,13 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
     if not router_losses:
         padding_mask = None
     if config.context_parallel_size > 1:  # this rank's chunks of every sequence
+        if padding_mask is not None:
+            from megatron.core import parallel_state as ps
+
+            from rlep_megatron.models.context_parallel import local_values
+
+            padding_mask = local_values(padding_mask, packed, config.context_parallel_size,
+                                        ps.get_context_parallel_rank(), multiple, fill=True)
         input_ids, position_ids, packed = context_parallel_inputs(
             input_ids, position_ids, packed, config)
         extra = 0

@@ -4,8 +4,9 @@ routers' order, and routing replay.
 Every forward pass first announces its micro-batch (:func:`note_micro_batch`): for each token
 the routers see, the batch row and column it comes from (-1 for padding and fill). The routers
 see ``[s, b]`` flattened (sequence-major), the sequence extended to a multiple of TP and, with
-sequence parallelism, only this rank's shard of it (as :func:`rlep_megatron.actor.packing
-.run_model` feeds the model).
+sequence parallelism, only this rank's shard of it; with context parallelism, only this rank's
+chunks of every sequence, in its order (as :func:`rlep_megatron.actor.packing.run_model` feeds
+the model).
 
 Routing replay (``algo.routing_replay=actor``): the old-log-prob pass *records* each token's
 top-k experts per MoE layer (:meth:`RoutingReplay.recording`), and every update of that
@@ -13,6 +14,9 @@ mini-batch *replays* them (:meth:`RoutingReplay.replaying`): the router still co
 logits, and the gate weights are the softmax over the replayed experts' logits, so the router
 keeps learning, but the choice of experts is the one the old policy made, whatever the
 micro-batch layout of the update (padding, packing, pipeline stages, sequence-parallel shards).
+With sequence or context parallelism each rank routes (and records) only its shard of a
+micro-batch's tokens; at the end of the recording the shards' records are shared within the
+tensor- and context-parallel group, so that an update may shard its micro-batches differently.
 With full activation recompute a layer's forward runs twice per micro-batch (under no_grad, then
 again in backward): the replayed experts of the first run are queued for the second.
 
@@ -38,11 +42,19 @@ _EXPERT_LOAD = None  # the counting ExpertLoad, if any (actor/expert_load.py)
 _REPLAY: Optional["RoutingReplay"] = None  # the recording / replaying RoutingReplay, if any
 
 
-def router_order(values: torch.Tensor, config, fill: int) -> torch.Tensor:
-    """``values [b, s]`` -> the flat ``[tokens]`` the routers of this rank see (module doc)."""
+def router_order(values: torch.Tensor, config, fill: int,
+                 packed: Optional[dict] = None) -> torch.Tensor:
+    """``values [b, s]`` -> the flat ``[tokens]`` the routers of this rank see (module doc);
+    ``packed``: the micro-batch's ``cu_seqlens`` when it is packed."""
     from megatron.core import parallel_state as ps
 
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    if config.context_parallel_size > 1:
+        from rlep_megatron.models.context_parallel import local_values
+
+        # the CP layout already makes every rank's share a multiple of TP
+        values = local_values(values, packed, config.context_parallel_size,
+                              ps.get_context_parallel_rank(), tp, fill)
     columns = values.t()
     extra = -columns.shape[0] % tp
     if extra:
@@ -62,7 +74,8 @@ def note_micro_batch(batch: dict, config) -> None:
     ``route_cols``); no-op unless an expert count or a routing replay is active."""
     if _EXPERT_LOAD is None and _REPLAY is None:
         return
-    rows = router_order(batch["route_rows"], config, -1)
+    packed = batch if "cu_seqlens" in batch else None
+    rows = router_order(batch["route_rows"], config, -1, packed)
     if _EXPERT_LOAD is not None:
         valid = rows >= 0
         skip = _EXPERT_LOAD.skip_rows
@@ -70,7 +83,8 @@ def note_micro_batch(batch: dict, config) -> None:
             valid &= ~torch.isin(rows, skip.to(rows.device))
         _EXPERT_LOAD.valid = valid
     if _REPLAY is not None:
-        _REPLAY.places = (rows.cpu(), router_order(batch["route_cols"], config, -1).cpu())
+        _REPLAY.places = (rows.cpu(),
+                          router_order(batch["route_cols"], config, -1, packed).cpu())
 
 
 class _LayerHook:
@@ -122,8 +136,26 @@ class RoutingReplay:
         try:
             with self._active("record"):
                 yield self.store
+            self._share_between_shards()
         finally:
             self.engine, self.follow_engine = None, False
+
+    def _share_between_shards(self) -> None:
+        """With sequence or context parallelism each rank routed only its shard of every
+        micro-batch, and an update's micro-batches may shard the tokens differently: every
+        rank of the tensor- and context-parallel group gets every token's record (each token
+        was recorded by one of them, the others hold -1). Collective over that group."""
+        from megatron.core import parallel_state as ps
+
+        from rlep_megatron import distributed
+
+        if ps.get_tensor_and_context_parallel_world_size() == 1:
+            return
+        group = ps.get_tensor_and_context_parallel_group()
+        for layer, experts in self.store.items():
+            # int32 on the wire (NCCL has no int16 reduction; expert ids fit)
+            self.store[layer] = distributed.all_reduce(experts.to(torch.int32), "max",
+                                                       group).long()
 
     @contextlib.contextmanager
     def replaying(self, store: dict[int, torch.Tensor]):

@@ -66,6 +66,11 @@ def test_logprobs_match_transformers(case_id, request):
     ("moe-ep2-packed", 2, "qwen3_moe", ["--ep", "2", "--pack-max-tokens", "64"]),
     ("moe-tp2-ep2-sp", 4, "qwen3_moe", ["--tp", "2", "--ep", "2", "--sp"]),
     ("moe-pp2-ep2-packed", 4, "qwen3_moe", ["--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
+    # experts with context parallelism: each CP rank routes its chunks of every sequence
+    ("moe-cp2-ep2", 2, "qwen3_moe", ["--cp", "2", "--ep", "2"]),
+    ("moe-cp2-ep2-packed", 2, "qwen3_moe", ["--cp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
+    ("moe-cp2-tp2-ep2-sp-packed", 4, "qwen3_moe",
+     ["--cp", "2", "--tp", "2", "--ep", "2", "--sp", "--pack-max-tokens", "64"]),
     ("qwen2-tp2-sp-packed", 2, "qwen2", ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
     ("qwen2-tp2-sp", 2, "qwen2", ["--tp", "2", "--sp"]),
     # context parallelism: every sequence (lengths 26, 55, 1, 66: odd, and one shorter than
@@ -144,7 +149,9 @@ def check_entropy(result):
     case("moe-replay-pp2-packed", 2, "qwen3_moe",
          ["--pp", "2", "--pack-max-tokens", "64", "--forced-routing", "FORCED"]),
     case("moe-replay-tp2-ep2-sp", 4, "qwen3_moe",
-         ["--tp", "2", "--ep", "2", "--sp", "--forced-routing", "FORCED"])])
+         ["--tp", "2", "--ep", "2", "--sp", "--forced-routing", "FORCED"]),
+    case("moe-replay-cp2-ep2-packed", 2, "qwen3_moe",
+         ["--cp", "2", "--ep", "2", "--pack-max-tokens", "64", "--forced-routing", "FORCED"])])
 def test_replayed_routing_reaches_every_token(case_id, tiny_qwen3_moe_dir, request):
     """Routing replay: each token is routed through the experts given for its (row, column)
     and layer, whatever the micro-batch layout. The given experts are random (not what the

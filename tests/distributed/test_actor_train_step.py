@@ -44,9 +44,15 @@ for _key in (
                                 "--recompute")),
         ("qwen3_moe", 4, 1, 2, ("--ep", "2", "--micro-batch-max-tokens", "24",
                                 "--routing-replay", "--recompute")),
+        # context parallelism with experts: CP2 x EP2 (2 ranks), CP2 x TP2 x EP2 + SP (4)
+        ("qwen3_moe", 2, 1, 1, ("--cp", "2", "--ep", "2", "--packing")),
+        ("qwen3_moe", 2, 1, 1, ("--cp", "2", "--ep", "2", "--routing-replay", "--recompute")),
+        ("qwen3_moe", 4, 2, 1, ("--ep", "2", "--sp", "--routing-replay", "--recompute")),
+        ("qwen3_moe", 4, 2, 1, ("--cp", "2", "--ep", "2", "--sp", "--packing")),
         ("qwen3_moe", 1, 1, 1, ROUTER_LOSSES),
         ("qwen3_moe", 1, 1, 1, ROUTER_LOSSES + ("--packing",)),
         ("qwen3_moe", 2, 2, 1, ROUTER_LOSSES + ("--sp", "--packing")),
+        ("qwen3_moe", 2, 1, 1, ROUTER_LOSSES + ("--cp", "2", "--ep", "2", "--packing")),
         ("qwen3_moe", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
         # scalar reads per micro-batch
         ("qwen2", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
@@ -207,8 +213,12 @@ def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen
 
     # layouts compared at the default Adam eps (1e-3), as in the dense test
     single = train(request, "qwen3_moe", 1, 1, 1)
+    # and with every sequence split over 2 context-parallel ranks as well (CP2 x EP2 packed,
+    # CP2 x TP2 x EP2 + SP)
     for nproc, tp, extra in ((2, 1, ("--ep", "2", "--packing", "--distributed-optimizer")),
-                             (4, 2, ("--ep", "2", "--sp"))):
+                             (4, 2, ("--ep", "2", "--sp")),
+                             (2, 1, ("--cp", "2", "--ep", "2", "--packing")),
+                             (4, 2, ("--cp", "2", "--ep", "2", "--sp", "--packing"))):
         other = train(request, "qwen3_moe", nproc, tp, 1, *extra)
         assert sorted(other["weights"]) == sorted(single["weights"])
         for name, tensor in single["weights"].items():
@@ -222,13 +232,19 @@ def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen
     # the same update
     # and with PP2 x EP2, where 1F1B recomputes a micro-batch's layers after later micro-batches'
     # forward passes (the replayed experts are queued per layer)
-    for tp, pp, extra in ((2, 1, ("--ep", "2", "--sp", "--packing")),
-                          (1, 2, ("--ep", "2", "--micro-batch-max-tokens", "24"))):
-        replayed = train(request, "qwen3_moe", 4, tp, pp, *extra, "--routing-replay",
+    # and padded at TP2 x EP2 + SP and at CP2 x EP2, where each rank routes only its shard of
+    # a micro-batch and the update's micro-batches (a data-parallel share of the rows) are
+    # sharded differently from the old-log-prob pass's (all rows)
+    for nproc, tp, pp, extra in ((4, 2, 1, ("--ep", "2", "--sp", "--packing")),
+                                 (4, 1, 2, ("--ep", "2", "--micro-batch-max-tokens", "24")),
+                                 (4, 2, 1, ("--ep", "2", "--sp")),
+                                 (2, 1, 1, ("--cp", "2", "--ep", "2"))):
+        replayed = train(request, "qwen3_moe", nproc, tp, pp, *extra, "--routing-replay",
                          "--recompute")
         for name, tensor in single["weights"].items():
             torch.testing.assert_close(replayed["weights"][name], tensor, rtol=0, atol=1e-6,
-                                       msg=f"{name} with routing replay, TP{tp} PP{pp}")
+                                       msg=f"{name} with routing replay, {nproc} ranks "
+                                           f"TP{tp} PP{pp} {' '.join(extra)}")
 
 
 def per_expert_names(state: dict) -> dict:
@@ -282,17 +298,20 @@ def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, r
     hf_dir = tiny_qwen3_moe_dir
     runs = {name: train(request, "qwen3_moe", nproc, tp, 1, *ROUTER_LOSSES, *extra)
             for name, nproc, tp, extra in (("padded", 1, 1, ()), ("packed", 1, 1, ("--packing",)),
-                                           ("tp2-sp", 2, 2, ("--sp", "--packing")))}
+                                           ("tp2-sp", 2, 2, ("--sp", "--packing")),
+                                           ("cp2-ep2", 2, 1, ("--cp", "2", "--ep", "2",
+                                                              "--packing")))}
     input_ids, _, _, _, _ = global_batch()
     aux, z = router_losses_in_float64(hf_dir, input_ids, runs["padded"]["lengths"])
     assert 1.0 < aux < 8.0 / 2  # 1: perfectly balanced, E / k: every token on the same experts
     for name, run in runs.items():
         assert run["metrics"]["num_micro_batches"] == 1.0
         assert run["metrics"]["moe/aux_loss"] == pytest.approx(aux, rel=1e-5), name
-        # each sequence-parallel shard's z-loss is the mean over its own tokens, and the
-        # shards hold different numbers of real tokens: their average is near the whole mean
+        # each sequence- or context-parallel shard's z-loss is the mean over its own tokens,
+        # and the shards hold different numbers of real tokens: their average is near the
+        # whole mean
         assert run["metrics"]["moe/z_loss"] == pytest.approx(
-            z, rel=0.1 if name == "tp2-sp" else 1e-5), name
+            z, rel=0.1 if name in ("tp2-sp", "cp2-ep2") else 1e-5), name
     plain = train(request, "qwen3_moe", 1, 1, 1, "--micro-batch-max-tokens", "1000")
     assert "moe/aux_loss" not in plain["metrics"]
     routers = [k for k in plain["weights"] if k.endswith("mlp.gate.weight")]

@@ -145,18 +145,21 @@ def test_dynamic_sampling_keeps_whole_groups_with_signal(tiny_qwen2_dir, task, p
     assert "dynamic sampling kept 0 of 4 groups in 2 rounds" in failed.stdout + failed.stderr
 
 
-def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(tiny_qwen3_moe_dir, task, pool,
-                                                              tmp_path):
+@pytest.mark.parametrize("layout", [[], ["parallel.context_parallel_size=2"]],
+                         ids=["ep2-dp2", "ep2-cp2"])
+def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(layout, tiny_qwen3_moe_dir, task,
+                                                              pool, tmp_path):
     """The tiny Qwen3-MoE (8 experts, top-2) on 2 ranks with its experts split over EP=2
-    (dense parts DP=2, distributed optimizer: the chained dense / expert optimizers), two
-    rollout replicas, the engine's routing replayed (algo.routing_replay=rollout), the
-    load-balancing loss on (EP ranks with fewer micro-batches run fillers): contract metrics
-    finite, the engine agrees with the actor on every fresh token, in log-probs and in the
-    experts the actor's routers would choose themselves (fp32), and step 3 redone from the
-    step-2 checkpoint equals the straight run's step 3 in every metric."""
+    (dense parts DP=2, or every sequence split over CP=2; distributed optimizer: the chained
+    dense / expert optimizers), two rollout replicas, the engine's routing replayed
+    (algo.routing_replay=rollout), the load-balancing loss on (EP ranks with fewer
+    micro-batches run fillers): contract metrics finite, the engine agrees with the actor on
+    every fresh token, in log-probs and in the experts the actor's routers would choose
+    themselves (fp32), and step 3 redone from the step-2 checkpoint equals the straight run's
+    step 3 in every metric."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "parallel.expert_model_parallel_size=2", "algo.routing_replay=rollout",
-              "algo.moe_aux_loss_coeff=0.001"]
+              "algo.moe_aux_loss_coeff=0.001", *layout]
     a = straight_equals_resumed(tiny_qwen3_moe_dir, task, common, tmp_path)
     for entry in a[1:]:
         for key in CONTRACT_KEYS:

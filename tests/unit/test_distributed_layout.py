@@ -53,8 +53,6 @@ def test_expert_parallelism_shares_ranks_with_data_parallelism():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("parallel.context_parallel_size=2 parallel.expert_model_parallel_size=2",
-     "with expert parallelism is not supported"),
     ("parallel.sequence_parallel=true", "sequence_parallel=true needs tensor_model_parallel"),
     ("model.params_dtype=float16", "loss scaling"),
 ])
@@ -68,8 +66,11 @@ def test_keys_that_would_be_silently_ignored_are_refused(override, needle):
 def test_context_parallel_layout_of_the_worked_example():
     """megatron's load-balanced layout: a sequence of 8 tokens in 2 x CP = 4 chunks of 2;
     rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; a pack pads each sequence (3 and 5
-    tokens -> 4 and 8) and keeps the global offsets; a MoE model is refused at CP > 1."""
-    from rlep_megatron.models.context_parallel import chunk_positions, gathered_order, layout
+    tokens -> 4 and 8) and keeps the global offsets; per-token values of the micro-batch (the
+    routers' token places) follow the tokens, added places filled; a MoE model may combine CP
+    with EP."""
+    from rlep_megatron.models.context_parallel import (chunk_positions, gathered_order, layout,
+                                                       local_values)
 
     assert chunk_positions([0, 8], 2, 0).tolist() == [0, 1, 6, 7]
     assert chunk_positions([0, 8], 2, 1).tolist() == [2, 3, 4, 5]
@@ -86,6 +87,15 @@ def test_context_parallel_layout_of_the_worked_example():
     # with sequence parallelism at TP 4 each rank needs a multiple of 4: a filler sequence
     assert layout(ids[:, :3], ids[:, :3], {"cu_seqlens": torch.tensor(
         [0, 3], dtype=torch.int32)}, cp=2, rank=0, multiple=4).bounds == [0, 4, 8]
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        validate_parallel_layout(2, ParallelConfig(context_parallel_size=2), 4, 2, 4,
-                                 num_experts=8)
+    assert local_values(ids, packed, cp=2, rank=1, fill=-1)[0].tolist() == [2, 3, 6, 7, 8, -1]
+    assert local_values(ids, packed, cp=2, rank=0, fill=-1)[0].tolist() == [1, -1, 4, 5, -1, -1]
+    mask = torch.zeros(1, 8, dtype=torch.bool)
+    assert local_values(mask, packed, cp=2, rank=0, fill=True)[0].tolist() == \
+        [False, True, False, False, True, True]
+    rows = torch.tensor([[1, 2, 3], [4, 5, 6]])  # padded rows: 3 columns -> 4, then chunks
+    assert local_values(rows, None, cp=2, rank=1, fill=-1).tolist() == [[2, 3], [5, 6]]
+    assert local_values(rows, None, cp=2, rank=0, fill=-1).tolist() == [[1, -1], [4, -1]]
+    # CP2 x EP2 on 2 ranks: DP 1, the experts split over the two CP ranks
+    assert validate_parallel_layout(2, ParallelConfig(context_parallel_size=2,
+                                                      expert_model_parallel_size=2),
+                                    4, 2, 4, num_experts=8) == 1

@@ -132,7 +132,7 @@ def main():
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--layouts", default="1x1",
-                        help="comma-separated actor TPxPP or TPxPPxEP")
+                        help="comma-separated actor TPxPP, TPxPPxEP or TPxPPxEPxCP")
     parser.add_argument("--bucket-bytes", type=int, default=96 * 1024)
     parser.add_argument("--fail-sync", action="store_true")
     parser.add_argument("--sleep-cycle", action="store_true",
@@ -165,11 +165,12 @@ def main():
 
     layouts = [item.split("x") for item in args.layouts.split(",")]
     for number, sizes in enumerate(layouts):
-        tp, pp, ep = (int(x) for x in sizes + ["1"] * (3 - len(sizes)))
+        tp, pp, ep, cp = (int(x) for x in sizes + ["1"] * (4 - len(sizes)))
         moe = num_experts(hf_config) > 0
         ctx = distributed.init_model_parallel(
             ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                           expert_model_parallel_size=ep, sequence_parallel=moe and tp > 1),
+                           expert_model_parallel_size=ep, sequence_parallel=moe and tp > 1,
+                           context_parallel_size=cp),
             seed=number, **layout_limits(hf_config))
         chunks, info = build_from_hf(args.hf_dir, args.dtype)
         optim_cfg = OptimConfig(lr=2e-2, lr_warmup_steps=0, weight_decay=0.0, clip_grad=1.0)

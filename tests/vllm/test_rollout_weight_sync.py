@@ -81,19 +81,20 @@ def test_qwen3_actor_tp2_rollout_tp2(tmp_path, tiny_qwen3_dir):
     check_layouts(report, ["2x1"])
 
 
-def test_qwen3_moe_actor_ep2_tp2_pp2_rollout_tp1_and_engine_routing(tmp_path,
-                                                                    tiny_qwen3_moe_dir):
+def test_qwen3_moe_actor_ep2_tp2_pp2_cp2_rollout_tp1_and_engine_routing(
+        tmp_path, tiny_qwen3_moe_dir):
     """Every expert of the tiny Qwen3-MoE into vLLM's MoE layers: from one actor rank, from
     experts split over 2 EP ranks (all-gathered in the stream), from TP2 with sequence
-    parallelism (each expert's matrices split over TP) and from two pipeline stages, into two
-    rollout replicas. And the experts the engine routed each token to (captured on both
-    replicas), at the checkpoint's weights: in fp32 the actor's routers choose the same on
-    every token and MoE layer (packed micro-batches), the engine's experts one position off
+    parallelism (each expert's matrices split over TP), from two pipeline stages and from
+    experts split over 2 EP ranks that also split every sequence (CP2), into two rollout
+    replicas. And the experts the engine routed each token to (captured on both replicas), at
+    the checkpoint's weights: in fp32 the actor's routers choose the same on every token and
+    MoE layer (packed micro-batches), the engine's experts one position off
     disagree on about half, and routing by the engine's experts routes every token the engine
     routed through them."""
-    report = run_program(tmp_path, tiny_qwen3_moe_dir, 2, 1, "1x1,1x1x2,2x1,1x2")
+    report = run_program(tmp_path, tiny_qwen3_moe_dir, 2, 1, "1x1,1x1x2,2x1,1x2,1x1x2x2")
     check_sampling(report, dp_size=2)
-    check_layouts(report, ["1x1", "1x1x2", "2x1", "1x2"])
+    check_layouts(report, ["1x1", "1x1x2", "2x1", "1x2", "1x1x2x2"])
     for name, entry in report["layouts"].items():
         routing = entry["routing"]
         # 8 sequences of at least 25 positions on 3 MoE layers, each compared once
