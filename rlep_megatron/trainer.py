@@ -545,7 +545,8 @@ class Trainer:
                   else None)
         replay = self.cfg.algo.routing_replay
         recording = (self.routing_replay.recording(*ids.shape, engine=engine,
-                                                   follow_engine=replay == "rollout")
+                                                   follow_engine=replay == "rollout",
+                                                   share=replay != "off")
                      if engine is not None or replay != "off" else contextlib.nullcontext())
         with recording as routing:  # algo.routing_replay=actor: the experts of this pass
             old = actor_logprobs(self.chunks, self.info, ids, micro, temperature,

@@ -51,8 +51,8 @@ def run_function(target: str, nproc: int, kwargs: Optional[dict[str, Any]] = Non
 
 def case_parser() -> "argparse.ArgumentParser":
     """The argument parser of a program that :class:`Cases` launches, with ``--cases FILE`` (a
-    JSON list of argument lists) or one case's ``--hf-dir`` and ``--out``; the program adds
-    its own arguments."""
+    JSON list of argument lists) or one case's ``--hf-dir`` (a model directory; the planner's
+    program reads only its config.json) and ``--out``; the program adds its own arguments."""
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -82,26 +82,30 @@ class Cases:
     lists, each with its own ``--hf-dir`` and ``--out``), declared when the test module is
     imported: the cases of one rank count run in one launch, started by the first test that
     asks for one of them. Start-up (imports, process group) is most of a small case's time.
-    ``placeholders(root)`` may give ``{word: value}`` substituted in every case's arguments."""
+    ``placeholders(root, request)`` may give ``{word: value}`` substituted in every case's
+    arguments (files it writes under ``root``).
+    ``load``: reads a case's ``--out`` (default ``torch.load``)."""
 
     def __init__(self, program: str, name: str,
-                 placeholders: Optional[Callable[[Any], dict[str, str]]] = None,
-                 timeout_s: float = 1200):
+                 placeholders: Optional[Callable[[Any, Any], dict[str, str]]] = None,
+                 timeout_s: float = 1200, load: Optional[Callable[[str], Any]] = None):
         self.program, self.name, self.timeout_s = program, name, timeout_s
         self.placeholders = placeholders
+        self.load = load
         self.cases: dict[Any, tuple[int, str, list[str]]] = {}
         self._outs: dict[int, Optional[dict[Any, str]]] = {}
 
-    def add(self, key, nproc: int, arch: str, args: Sequence[str]):
-        """Declare a case (``arch``: the ``tiny_<arch>_dir`` fixture's model); returns ``key``."""
+    def add(self, key, nproc: int, arch: Optional[str], args: Sequence[str]):
+        """Declare a case (``arch``: the ``tiny_<arch>_dir`` fixture's model; ``None``: the
+        case's ``args`` give ``--hf-dir``); returns ``key``."""
         if key in self.cases:
             raise ValueError(f"case {key!r} declared twice")
         self.cases[key] = (nproc, arch, [str(a) for a in args])
         return key
 
     def result(self, key, request) -> Any:
-        """``torch.load`` of the case's ``--out``, launching its rank count's cases first."""
-        import torch
+        """The case's ``--out`` as :attr:`load` reads it, launching its rank count's cases
+        first."""
 
         if key not in self.cases:
             raise KeyError(f"case {key!r} is not declared: add it with {self.name}.add(...) "
@@ -109,14 +113,16 @@ class Cases:
         nproc = self.cases[key][0]
         if nproc not in self._outs:
             root = request.getfixturevalue("tmp_path_factory").mktemp(f"{self.name}_{nproc}")
-            words = self.placeholders(root) if self.placeholders else {}
+            words = self.placeholders(root, request) if self.placeholders else {}
             outs, arguments = {}, []
             for number, (other, (ranks, arch, args)) in enumerate(self.cases.items()):
                 if ranks != nproc:
                     continue
-                outs[other] = str(root / f"case_{number}.pt")
-                arguments.append(["--hf-dir", request.getfixturevalue(f"tiny_{arch}_dir"),
-                                  "--out", outs[other], *(words.get(a, a) for a in args)])
+                outs[other] = str(root / f"case_{number}.out")
+                model = ([] if arch is None
+                         else ["--hf-dir", request.getfixturevalue(f"tiny_{arch}_dir")])
+                arguments.append([*model, "--out", outs[other],
+                                  *(words.get(a, a) for a in args)])
             (root / "cases.json").write_text(json.dumps(arguments, indent=1))
             self._outs[nproc] = None  # a failed launch is reported once, by the test that ran it
             run_torchrun(self.program, nproc, ["--cases", str(root / "cases.json")],
@@ -128,4 +134,8 @@ class Cases:
 
             pytest.fail(f"the launch of {self.name}'s {nproc}-rank cases failed (see the first "
                         "test that needed it)")
+        if self.load is not None:
+            return self.load(outs[key])
+        import torch
+
         return torch.load(outs[key])

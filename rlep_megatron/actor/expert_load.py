@@ -7,8 +7,8 @@ Per MoE layer, ``max over experts / mean over experts`` of the counts (1 = perfe
 most E / top-k when every token picks the same experts); the step's metric is the worst layer's
 (``moe/load_imbalance``) and which layer that is (``moe/load_imbalance_layer``, global index).
 Each forward pass says which of its tokens are real (:func:`routing.note_micro_batch`).
-Counts are summed over every rank (data-parallel shares, sequence-parallel shards and pipeline
-stages hold disjoint tokens or layers).
+Counts are summed over every rank (data-parallel shares, sequence- and context-parallel shards
+and pipeline stages hold disjoint tokens or layers).
 """
 from __future__ import annotations
 
@@ -116,10 +116,12 @@ ROUTER_LOSSES = (("load_balancing_loss", "moe_aux_loss_coeff", "moe/aux_loss"),
 def router_loss_metrics(config, num_micro_batches: int) -> dict[str, float]:
     """The router losses of the train step that just ran (``algo.moe_aux_loss_coeff`` /
     ``moe_z_loss_coeff`` > 0), unweighted: per MoE layer the mean over micro-batches and
-    data-parallel ranks, then the mean over MoE layers (with sequence parallelism the z-loss
-    is the mean of the TP shards' own means); the tracker is cleared for the next step. Read from megatron-core's router tracker, which each router adds its micro-batch
-    value to (pipeline stages hold disjoint layers, sequence-parallel shards partial sums of
-    one micro-batch). Collective over every rank; {} when both losses are off."""
+    data-parallel ranks, then the mean over MoE layers (with sequence or context parallelism
+    the z-loss is the mean of the TP x CP shards' own means); the tracker is cleared for the
+    next step. Read from megatron-core's router tracker, which each router adds its
+    micro-batch value to (pipeline stages hold disjoint layers, sequence- and context-parallel
+    shards partial sums of one micro-batch). Collective over every rank; {} when both losses
+    are off."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                          get_moe_layer_wise_logging_tracker)

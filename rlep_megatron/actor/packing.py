@@ -170,6 +170,15 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
             padding_mask = torch.nn.functional.pad(padding_mask, (0, extra), value=True)
     extra_kwargs = {"packed_seq_params": packed_seq_params(packed)} if packed else {}
     if padding_mask is not None:
+        from rlep_megatron.models.megatron import unwrap
+
+        if multiple > 1 and not unwrap(model).pre_process:
+            # megatron splits the mask over the sequence-parallel ranks on the first pipeline
+            # stage only; a later stage's layers see their shard of the sequence as well
+            from megatron.core import parallel_state as ps
+
+            padding_mask = padding_mask.chunk(multiple, dim=1)[
+                ps.get_tensor_model_parallel_rank()].contiguous()
         extra_kwargs["padding_mask"] = padding_mask.to(input_ids.device)
     if not hidden_states:
         return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)

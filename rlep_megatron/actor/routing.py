@@ -125,18 +125,22 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def recording(self, num_rows: int, num_columns: int,
-                  engine: Optional[dict[int, torch.Tensor]] = None, follow_engine: bool = False):
+                  engine: Optional[dict[int, torch.Tensor]] = None, follow_engine: bool = False,
+                  share: bool = True):
         """Record every layer's top-k of the forward passes inside into :attr:`store`
         (``{layer: [rows, columns, k]}``, -1 where no token was routed). ``engine``: the
         rollout engine's experts in the same frame (-1: unknown), compared with the actor's and,
-        with ``follow_engine``, routed by (module doc)."""
+        with ``follow_engine``, routed by (module doc). ``share``: give every rank of the
+        tensor- and context-parallel group every token's record at the end (collective), as a
+        replay needs; ``False`` when the record only serves the comparison with the engine."""
         self.store = {layer: torch.full((num_rows, num_columns, self.topk_size), -1,
                                         dtype=torch.long) for layer in self.layers}
         self.engine, self.follow_engine = engine, follow_engine
         try:
             with self._active("record"):
                 yield self.store
-            self._share_between_shards()
+            if share:
+                self._share_between_shards()
         finally:
             self.engine, self.follow_engine = None, False
 

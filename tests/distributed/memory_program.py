@@ -1,6 +1,8 @@
-"""Torchrun program for the planner's tests (``rlep plan``), two modes:
+"""Torchrun program for the planner's tests (``rlep plan``), one case from the command line or
+several with ``--cases FILE`` (:class:`tests.torchrun.Cases`), two modes:
 
-* ``--state``: build the actor at ``--tp/--pp/--ep/--cp`` from a config.json (random weights),
+* ``--state``: build the actor at ``--tp/--pp/--ep/--cp`` from ``--hf-dir``'s config.json
+  (random weights),
   wrap it in megatron's DDP with the distributed optimizer (``--bucket-size``: gradient buckets
   of that many elements), take one optimizer step, and write each
   rank's pipeline stage and what it really holds: parameter elements (replicated / expert),
@@ -10,8 +12,8 @@
   in one forward pass of a TOKENS-token sequence (``saved_tensors_hooks``, each storage counted
   once, parameters excluded).
 """
-import argparse
 import json
+import os
 
 import torch
 
@@ -19,6 +21,7 @@ from rlep_megatron import distributed
 from rlep_megatron.config import OptimConfig, ParallelConfig
 from rlep_megatron.models import layout_limits
 from rlep_megatron.models.megatron import build_model, unwrap
+from tests.torchrun import case_parser, run_cases
 
 
 def state_counts(chunks, optimizer) -> dict:
@@ -56,8 +59,7 @@ def chunks_dtype(chunks):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf-config", required=True)
+    parser = case_parser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
@@ -67,9 +69,12 @@ def main():
     parser.add_argument("--bucket-size", type=int, default=None,
                         help="gradient buckets of this many elements (overlapped reduction)")
     parser.add_argument("--activations", type=int, default=0)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    with open(args.hf_config) as f:
+    run_cases(parser, run_case)
+    distributed.destroy()
+
+
+def run_case(args):
+    with open(os.path.join(args.hf_dir, "config.json")) as f:
         hf_config = json.load(f)
     distributed.init_model_parallel(
         ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
@@ -111,7 +116,6 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"saved_bytes": sum(saved.values()),
                        "layers": len(model.decoder.layers)}, f)
-    distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def prompt_batch():
     return pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
 
 
-def forced_file(root) -> dict[str, str]:
+def forced_file(root, _request) -> dict[str, str]:
     torch.save(forced_routing(prompt_batch()[0]), root / "forced.pt")
     return {"FORCED": str(root / "forced.pt")}
 
@@ -71,6 +71,10 @@ def test_logprobs_match_transformers(case_id, request):
     ("moe-cp2-ep2-packed", 2, "qwen3_moe", ["--cp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
     ("moe-cp2-tp2-ep2-sp-packed", 4, "qwen3_moe",
      ["--cp", "2", "--tp", "2", "--ep", "2", "--sp", "--pack-max-tokens", "64"]),
+    ("moe-cp2-pp2-ep2-packed", 4, "qwen3_moe",
+     ["--cp", "2", "--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
+    # EP4 over CP2 x DP2: each expert-parallel group spans data- and context-parallel ranks
+    ("moe-cp2-ep4", 4, "qwen3_moe", ["--cp", "2", "--ep", "4"]),
     ("qwen2-tp2-sp-packed", 2, "qwen2", ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
     ("qwen2-tp2-sp", 2, "qwen2", ["--tp", "2", "--sp"]),
     # context parallelism: every sequence (lengths 26, 55, 1, 66: odd, and one shorter than

@@ -18,6 +18,7 @@ STEPS = Cases(PROGRAM, "train_steps")
 REALISTIC = ("--adam-eps", "1e-6", "--weight-decay", "1.0")
 ROUTER_LOSSES = ("--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
                  "--micro-batch-max-tokens", "1000")
+AUX_LOSS = ("--moe-aux-loss-coeff", "0.01", "--micro-batch-max-tokens", "1000")
 for _key in (
         # parity across layouts and against transformers, per dense architecture
         *[(arch, nproc, tp, pp, extra) for arch in ("qwen2", "qwen3", "llama")
@@ -49,10 +50,15 @@ for _key in (
         ("qwen3_moe", 2, 1, 1, ("--cp", "2", "--ep", "2", "--routing-replay", "--recompute")),
         ("qwen3_moe", 4, 2, 1, ("--ep", "2", "--sp", "--routing-replay", "--recompute")),
         ("qwen3_moe", 4, 2, 1, ("--cp", "2", "--ep", "2", "--sp", "--packing")),
+        ("qwen3_moe", 4, 2, 1, ("--cp", "2", "--ep", "2", "--sp", "--packing",
+                                "--routing-replay", "--recompute")),
         ("qwen3_moe", 1, 1, 1, ROUTER_LOSSES),
         ("qwen3_moe", 1, 1, 1, ROUTER_LOSSES + ("--packing",)),
         ("qwen3_moe", 2, 2, 1, ROUTER_LOSSES + ("--sp", "--packing")),
         ("qwen3_moe", 2, 1, 1, ROUTER_LOSSES + ("--cp", "2", "--ep", "2", "--packing")),
+        ("qwen3_moe", 4, 2, 2, ROUTER_LOSSES + ("--sp",)),
+        ("qwen3_moe", 1, 1, 1, AUX_LOSS),
+        ("qwen3_moe", 2, 1, 1, AUX_LOSS + ("--cp", "2", "--ep", "2", "--packing")),
         ("qwen3_moe", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
         # scalar reads per micro-batch
         ("qwen2", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
@@ -235,10 +241,12 @@ def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen
     # and padded at TP2 x EP2 + SP and at CP2 x EP2, where each rank routes only its shard of
     # a micro-batch and the update's micro-batches (a data-parallel share of the rows) are
     # sharded differently from the old-log-prob pass's (all rows)
+    # (and CP2 x TP2 x EP2 + SP, packed: the records shared over a TP x CP group of 4)
     for nproc, tp, pp, extra in ((4, 2, 1, ("--ep", "2", "--sp", "--packing")),
                                  (4, 1, 2, ("--ep", "2", "--micro-batch-max-tokens", "24")),
                                  (4, 2, 1, ("--ep", "2", "--sp")),
-                                 (2, 1, 1, ("--cp", "2", "--ep", "2"))):
+                                 (2, 1, 1, ("--cp", "2", "--ep", "2")),
+                                 (4, 2, 1, ("--cp", "2", "--ep", "2", "--sp", "--packing"))):
         replayed = train(request, "qwen3_moe", nproc, tp, pp, *extra, "--routing-replay",
                          "--recompute")
         for name, tensor in single["weights"].items():
@@ -293,14 +301,19 @@ def router_losses_in_float64(hf_dir, input_ids, lengths):
 def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, request):
     """algo.moe_aux_loss_coeff / moe_z_loss_coeff: the reported (unweighted) losses of a step
     whose mini-batch is one micro-batch equal the float64 re-derivation over its real tokens,
-    padded or packed, and with the tokens split over TP2 + SP (partial sums); and the losses
-    reach the gradient: the routers' weights move differently than without them."""
+    padded or packed, and with the tokens split over TP2 + SP (partial sums; also over two
+    pipeline stages) or over CP2 x EP2; the losses reach the gradient: the routers' weights
+    move differently than without them; and the load-balancing loss's step at CP2 x EP2 equals
+    the single rank's."""
     hf_dir = tiny_qwen3_moe_dir
     runs = {name: train(request, "qwen3_moe", nproc, tp, 1, *ROUTER_LOSSES, *extra)
             for name, nproc, tp, extra in (("padded", 1, 1, ()), ("packed", 1, 1, ("--packing",)),
                                            ("tp2-sp", 2, 2, ("--sp", "--packing")),
                                            ("cp2-ep2", 2, 1, ("--cp", "2", "--ep", "2",
                                                               "--packing")))}
+    # with pipeline stages too (a later stage's routers see their sequence-parallel shard of
+    # the padding mask)
+    runs["tp2-sp-pp2"] = train(request, "qwen3_moe", 4, 2, 2, *ROUTER_LOSSES, "--sp")
     input_ids, _, _, _, _ = global_batch()
     aux, z = router_losses_in_float64(hf_dir, input_ids, runs["padded"]["lengths"])
     assert 1.0 < aux < 8.0 / 2  # 1: perfectly balanced, E / k: every token on the same experts
@@ -311,13 +324,21 @@ def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, r
         # and the shards hold different numbers of real tokens: their average is near the
         # whole mean
         assert run["metrics"]["moe/z_loss"] == pytest.approx(
-            z, rel=0.1 if name in ("tp2-sp", "cp2-ep2") else 1e-5), name
+            z, rel=0.1 if name in ("tp2-sp", "cp2-ep2", "tp2-sp-pp2") else 1e-5), name
     plain = train(request, "qwen3_moe", 1, 1, 1, "--micro-batch-max-tokens", "1000")
     assert "moe/aux_loss" not in plain["metrics"]
     routers = [k for k in plain["weights"] if k.endswith("mlp.gate.weight")]
     assert len(routers) == 3
     assert max((runs["padded"]["weights"][k] - plain["weights"][k]).abs().max()
                for k in routers) > 1e-5
+    # the load-balancing loss's gradient with every sequence split over CP2 (and the experts
+    # over EP2) is the single rank's: the same step on every weight
+    single, split = (train(request, "qwen3_moe", nproc, 1, 1, *AUX_LOSS, *extra)
+                     for nproc, extra in ((1, ()), (2, ("--cp", "2", "--ep", "2", "--packing"))))
+    assert split["metrics"]["moe/aux_loss"] == pytest.approx(aux, rel=1e-5)
+    for name, tensor in single["weights"].items():
+        torch.testing.assert_close(split["weights"][name], tensor, rtol=0, atol=1e-6,
+                                   msg=f"{name}: load-balancing loss at CP2 x EP2")
 
 
 def test_step_metrics_make_no_scalar_read_per_micro_batch(request):

@@ -44,6 +44,9 @@ def assert_bit_exact(reference_dir, candidate_dir):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "llama"])
 def test_round_trip_is_bit_exact_single_and_sharded(arch, request, tmp_path):
+    """HF -> megatron -> HF gives every tensor bit for bit, the config and the tokenizer; for
+    the MoE (the most tensors) also through sharded safetensors both ways (the shard writer
+    and reader know nothing of the architecture)."""
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     mcore, back, sharded = tmp_path / "mcore", tmp_path / "back", tmp_path / "sharded"
     proc = tool("tools/convert_hf_to_mcore.py", "--hf-dir", hf_dir, "--out-dir", str(mcore))
@@ -55,6 +58,8 @@ def test_round_trip_is_bit_exact_single_and_sharded(arch, request, tmp_path):
     assert json.load(open(back / "config.json")) == json.load(open(os.path.join(hf_dir,
                                                                                 "config.json")))
     assert os.path.exists(back / "tokenizer.json")
+    if arch != "qwen3_moe":
+        return
     # sharded output (tiny shards), then sharded input back through the whole cycle
     proc = tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore), "--out-dir",
                 str(sharded), "--max-shard-gb", "0.0005")

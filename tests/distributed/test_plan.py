@@ -1,50 +1,99 @@
 """``rlep plan`` against what the actor really holds: parameter, gradient-buffer and optimizer
 elements counted on the built model and its megatron optimizer at several layouts, and the
 activation estimate against the bytes autograd saves in a real forward pass."""
+import contextlib
+import io
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.torchrun import REPO_ROOT, run_torchrun
+from tests.torchrun import REPO_ROOT, Cases
 
 pytestmark = pytest.mark.distributed
 
-PROGRAM = "tests/distributed/memory_program.py"
+# a mid-size model (hidden 1024, 8 layers, GQA 16/4 heads, SwiGLU 2816) for the activations
+MID_SIZE = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1024,
+            "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
-def rlep_plan(hf_config: str, gpus: int, *overrides: str, extra=()) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlep_megatron.cli", "plan", "--json", "--gpus", str(gpus),
-         "--hf-config", hf_config, *extra, "model.params_dtype=float32", *overrides],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+def wide_config(tiny_qwen2_dir: str) -> dict:
+    """The tiny Qwen2 with norms and biases that are not multiples of 64 elements."""
+    with open(os.path.join(tiny_qwen2_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    hf_config.update(hidden_size=72, head_dim=18, intermediate_size=100)
+    return hf_config
 
 
-@pytest.mark.parametrize("arch, nproc, tp, pp, ep, cp", [
+def model_dirs(root, request) -> dict[str, str]:
+    """Directories holding only the config.json of the cases' own model shapes."""
+    dirs = {}
+    for word, config in (("WIDE", wide_config(request.getfixturevalue("tiny_qwen2_dir"))),
+                         ("MID", MID_SIZE)):
+        directory = root / word.lower()
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps(config))
+        dirs[word] = str(directory)
+    return dirs
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+# the memory program's cases; those of one rank count run in one launch
+MEMORY = Cases("tests/distributed/memory_program.py", "memory_cases", placeholders=model_dirs,
+               load=read_json)
+LAYOUTS = [
     ("qwen2", 2, 2, 1, 1, 1),   # TP2, tied embeddings
     ("qwen2", 2, 1, 2, 1, 1),   # PP2: the last stage's own copy of the tied output weight
     ("qwen3", 4, 1, 2, 1, 1),   # PP2 x DP2: the optimizer state sharded over DP
     ("qwen3_moe", 2, 1, 1, 2, 1),  # EP2: experts split, their state over the expert DP
     ("qwen3", 4, 1, 1, 1, 2),   # CP2 x DP2: the optimizer state sharded over DP x CP
-])
-def test_plan_counts_what_the_actor_holds(arch, nproc, tp, pp, ep, cp, request, tmp_path):
+]
+for _arch, _nproc, _tp, _pp, _ep, _cp in LAYOUTS:
+    MEMORY.add((_arch, _nproc, _tp, _pp, _ep, _cp), _nproc, _arch,
+               ["--state", "--tp", _tp, "--pp", _pp, "--ep", _ep, "--cp", _cp,
+                *(["--sp"] if _tp > 1 and _ep > 1 else [])])
+MEMORY.add("buckets", 2, None, ["--hf-dir", "WIDE", "--state", "--bucket-size", "5000"])
+MEMORY.add("activations", 1, None, ["--hf-dir", "MID", "--activations", "2048"])
+
+
+def rlep(*args: str) -> tuple[int, str, str]:
+    """``rlep ARGS`` in this process (the planner builds the model on the meta device inside a
+    simulated process group, torn down afterwards): exit code, stdout, stderr."""
+    from rlep_megatron.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def rlep_plan(hf_config: str, gpus: int, *overrides: str, extra=()) -> dict:
+    code, out, err = rlep("plan", "--json", "--gpus", str(gpus), "--hf-config", hf_config,
+                          *extra, "model.params_dtype=float32", *overrides)
+    assert code == 0, err[-3000:]
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("arch, nproc, tp, pp, ep, cp", LAYOUTS)
+def test_plan_counts_what_the_actor_holds(arch, nproc, tp, pp, ep, cp, request):
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     config = os.path.join(hf_dir, "config.json")
-    layout = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp)]
-    sp = ["--sp"] if tp > 1 and ep > 1 else []
-    run_torchrun(PROGRAM, nproc, ["--hf-config", config, "--state", *layout, *sp,
-                                  "--out", str(tmp_path / "state.json")])
-    with open(tmp_path / "state.json") as f:
-        ranks = json.load(f)
+    sp = tp > 1 and ep > 1
+    ranks = MEMORY.result((arch, nproc, tp, pp, ep, cp), request)
     planned = rlep_plan(config, nproc, f"parallel.tensor_model_parallel_size={tp}",
                         f"parallel.pipeline_model_parallel_size={pp}",
                         f"parallel.expert_model_parallel_size={ep}",
                         f"parallel.context_parallel_size={cp}",
-                        f"parallel.sequence_parallel={bool(sp)}",
+                        f"parallel.sequence_parallel={sp}",
                         "rollout.tensor_model_parallel_size=1")
     assert len(planned["stages"]) == pp
     for stage in planned["stages"]:
@@ -59,7 +108,7 @@ def test_plan_counts_what_the_actor_holds(arch, nproc, tp, pp, ep, cp, request, 
         assert ranks[0]["expert"] > 0
 
 
-def test_plan_lays_out_gradient_buckets_as_megatron(tiny_qwen2_dir, tmp_path):
+def test_plan_lays_out_gradient_buckets_as_megatron(tiny_qwen2_dir, request):
     """Several gradient buckets (overlapped reduction, 5000-element buckets) at DP2 on a model
     whose norms and biases are not multiples of 64 elements (hidden 72): parameters aligned,
     every bucket padded to equal shards, parameters straddling the shards. The buffer and each
@@ -67,15 +116,8 @@ def test_plan_lays_out_gradient_buckets_as_megatron(tiny_qwen2_dir, tmp_path):
     from rlep_megatron import plan
     from rlep_megatron.config import load_config
 
-    with open(os.path.join(tiny_qwen2_dir, "config.json")) as f:
-        hf_config = json.load(f)
-    hf_config.update(hidden_size=72, head_dim=18, intermediate_size=100)
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(hf_config))
-    run_torchrun(PROGRAM, 2, ["--hf-config", str(config), "--state", "--bucket-size", "5000",
-                              "--out", str(tmp_path / "state.json")])
-    with open(tmp_path / "state.json") as f:
-        ranks = json.load(f)
+    hf_config = wide_config(tiny_qwen2_dir)
+    ranks = MEMORY.result("buckets", request)
     cfg = load_config(None, ["model.params_dtype=float32", "parallel.tensor_model_parallel_size=1",
                              "optim.overlap_grad_reduce=true"])
     (counted,) = plan.stage_params(hf_config, cfg, 2)
@@ -92,18 +134,12 @@ def test_plan_lays_out_gradient_buckets_as_megatron(tiny_qwen2_dir, tmp_path):
     assert one_bucket < grads  # each bucket's own padding counted
 
 
-def test_activation_estimate_matches_the_saved_tensors(tmp_path):
+def test_activation_estimate_matches_the_saved_tensors(request, tmp_path):
     """A mid-size model (hidden 1024, 8 layers, GQA 16/4 heads, SwiGLU 2816) on 2048 tokens:
     the planner's local-spec activation bytes within 20% of what autograd saves on CPU."""
-    shape = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1024,
-             "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
-             "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 4096,
-             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(shape))
-    run_torchrun(PROGRAM, 1, ["--hf-config", str(config), "--activations", "2048",
-                              "--out", str(tmp_path / "act.json")])
-    measured = json.loads((tmp_path / "act.json").read_text())["saved_bytes"]
+    config.write_text(json.dumps(MID_SIZE))
+    measured = MEMORY.result("activations", request)["saved_bytes"]
     planned = rlep_plan(str(config), 1, "trainer.micro_batch_max_tokens=2048",
                         "model.recompute_activations=false", "rollout.tensor_model_parallel_size=1",
                         extra=["--local-spec"])
@@ -149,7 +185,5 @@ def test_plan_refuses_bad_input(tiny_qwen2_dir):
             (["--gpus", "3", "parallel.tensor_model_parallel_size=2"], "not divisible"),
             (["--gpus", "2", "--gpu", "v100"], "--gpu must be one of"),
             (["--gpus", "2", "--gpu-mem-gib", "0"], "--gpu-mem-gib must be > 0")):
-        proc = subprocess.run([sys.executable, "-m", "rlep_megatron.cli", "plan", "--hf-config",
-                               config, *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+        code, _, err = rlep("plan", "--hf-config", config, *args)
+        assert code != 0 and message in err, err[-2000:]
