@@ -17,15 +17,28 @@ pytestmark = pytest.mark.vllm
 requires("vllm")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "llama"])
-def test_vllm_generates_with_logprobs_matching_hf(arch, request, tmp_path):
-    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    out = tmp_path / "samples.jsonl"
+ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama"]
+
+
+@pytest.fixture(scope="module")
+def samples_files(request, tmp_path_factory) -> dict[str, str]:
+    """Every architecture's samples, from one run of the program (one vLLM import, an engine
+    per model, built one after another)."""
+    root = tmp_path_factory.mktemp("vllm_samples")
+    outs = {arch: str(root / f"{arch}.jsonl") for arch in ARCHS}
+    pairs = [item for arch in ARCHS
+             for item in (request.getfixturevalue(f"tiny_{arch}_dir"), outs[arch])]
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "tests/vllm/vllm_generate.py", model_dir, str(out)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "tests/vllm/vllm_generate.py", *pairs],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    samples = [json.loads(line) for line in open(out)]
+    return outs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vllm_generates_with_logprobs_matching_hf(arch, samples_files, request):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    samples = [json.loads(line) for line in open(samples_files[arch])]
     assert len(samples) == 6
     assert all(s["token_ids"] and s["finish_reason"] in ("stop", "length") for s in samples)
     # different samples for the same prompt: the sampler is really sampling
