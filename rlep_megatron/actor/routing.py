@@ -109,6 +109,9 @@ class RoutingReplay:
         for chunk in chunks:
             model = unwrap(chunk)
             self.topk_size = model.config.moe_router_topk
+            # the records' dtype: expert ids in 16 bits (a quarter of int64's host memory)
+            self.dtype = (torch.int16 if (model.config.num_moe_experts or 0) < 2 ** 15
+                          else torch.int32)
             self.recompute = model.config.recompute_granularity == "full"
             for layer in model.decoder.layers:
                 router = getattr(layer.mlp, "router", None)
@@ -128,13 +131,14 @@ class RoutingReplay:
                   engine: Optional[dict[int, torch.Tensor]] = None, follow_engine: bool = False,
                   share: bool = True):
         """Record every layer's top-k of the forward passes inside into :attr:`store`
-        (``{layer: [rows, columns, k]}``, -1 where no token was routed). ``engine``: the
+        (``{layer: [rows, columns, k]}`` in :attr:`dtype`, -1 where no token was routed,
+        on the host). ``engine``: the
         rollout engine's experts in the same frame (-1: unknown), compared with the actor's and,
         with ``follow_engine``, routed by (module doc). ``share``: give every rank of the
         tensor- and context-parallel group every token's record at the end (collective), as a
         replay needs; ``False`` when the record only serves the comparison with the engine."""
         self.store = {layer: torch.full((num_rows, num_columns, self.topk_size), -1,
-                                        dtype=torch.long) for layer in self.layers}
+                                        dtype=self.dtype) for layer in self.layers}
         self.engine, self.follow_engine = engine, follow_engine
         try:
             with self._active("record"):
@@ -159,7 +163,7 @@ class RoutingReplay:
         for layer, experts in self.store.items():
             # int32 on the wire (NCCL has no int16 reduction; expert ids fit)
             self.store[layer] = distributed.all_reduce(experts.to(torch.int32), "max",
-                                                       group).long()
+                                                       group).to(experts.dtype)
 
     @contextlib.contextmanager
     def replaying(self, store: dict[int, torch.Tensor]):
@@ -191,7 +195,8 @@ class RoutingReplay:
                 indices = self._against_engine(layer, indices, rows, cols, valid)
                 if self.follow_engine:
                     probs = scores.gather(1, indices)
-            self.store[layer][rows[valid], cols[valid]] = indices.cpu()[valid]
+            store = self.store[layer]
+            store[rows[valid], cols[valid]] = indices.cpu()[valid].to(store.dtype)
             return probs, indices
         if self.recompute and torch.is_grad_enabled():
             indices = self._queues[layer].popleft()  # activation recompute in backward
@@ -231,7 +236,7 @@ class RoutingReplay:
         # tokens that are no one's (padding, fill) take the first k experts: their outputs
         # reach no real token
         indices = torch.arange(topk).expand(rows.numel(), topk).clone()
-        recorded = self.store[layer][rows[valid], cols[valid]]
+        recorded = self.store[layer][rows[valid], cols[valid]].long()
         if (recorded < 0).any():
             raise RuntimeError(f"routing replay: layer {layer} has no recorded experts for "
                                f"{int((recorded < 0).any(dim=1).sum())} tokens")
