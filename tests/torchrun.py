@@ -92,7 +92,7 @@ class Cases:
         self.program, self.name, self.timeout_s = program, name, timeout_s
         self.placeholders = placeholders
         self.load = load
-        self.cases: dict[Any, tuple[int, str, list[str]]] = {}
+        self.cases: dict[Any, tuple[int, Optional[str], list[str]]] = {}
         self._outs: dict[int, Optional[dict[Any, str]]] = {}
 
     def add(self, key, nproc: int, arch: Optional[str], args: Sequence[str]):

@@ -155,7 +155,10 @@ def check_entropy(result):
     case("moe-replay-tp2-ep2-sp", 4, "qwen3_moe",
          ["--tp", "2", "--ep", "2", "--sp", "--forced-routing", "FORCED"]),
     case("moe-replay-cp2-ep2-packed", 2, "qwen3_moe",
-         ["--cp", "2", "--ep", "2", "--pack-max-tokens", "64", "--forced-routing", "FORCED"])])
+         ["--cp", "2", "--ep", "2", "--pack-max-tokens", "64", "--forced-routing", "FORCED"]),
+    case("moe-replay-cp2-tp2-ep2-sp-packed", 4, "qwen3_moe",
+         ["--cp", "2", "--tp", "2", "--ep", "2", "--sp", "--pack-max-tokens", "64",
+          "--forced-routing", "FORCED"])])
 def test_replayed_routing_reaches_every_token(case_id, tiny_qwen3_moe_dir, request):
     """Routing replay: each token is routed through the experts given for its (row, column)
     and layer, whatever the micro-batch layout. The given experts are random (not what the

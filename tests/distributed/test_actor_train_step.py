@@ -336,6 +336,8 @@ def test_moe_router_losses_match_their_float64_definitions(tiny_qwen3_moe_dir, r
     single, split = (train(request, "qwen3_moe", nproc, 1, 1, *AUX_LOSS, *extra)
                      for nproc, extra in ((1, ()), (2, ("--cp", "2", "--ep", "2", "--packing"))))
     assert split["metrics"]["moe/aux_loss"] == pytest.approx(aux, rel=1e-5)
+    # (the load-balancing loss alone moves the routers measurably: the comparison can fail)
+    assert max((single["weights"][k] - plain["weights"][k]).abs().max() for k in routers) > 1e-5
     for name, tensor in single["weights"].items():
         torch.testing.assert_close(split["weights"][name], tensor, rtol=0, atol=1e-6,
                                    msg=f"{name}: load-balancing loss at CP2 x EP2")

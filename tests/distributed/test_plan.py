@@ -4,6 +4,7 @@ activation estimate against the bytes autograd saves in a real forward pass."""
 import contextlib
 import io
 import json
+import logging
 import os
 
 import pytest
@@ -67,12 +68,18 @@ def rlep(*args: str) -> tuple[int, str, str]:
     simulated process group, torn down afterwards): exit code, stdout, stderr."""
     from rlep_megatron.cli import main
 
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(args))
         except SystemExit as exit_:
             code = exit_.code
+        finally:
+            # the command's log handler writes to the captured stderr: not to later tests
+            root.handlers[:] = handlers
+            root.setLevel(level)
     return code, out.getvalue(), err.getvalue()
 
 
