@@ -395,8 +395,7 @@ def _context_parallel_logprobs(model, info, output, input_ids, tp_rank, tp_group
 
     config = model.config
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    lay = context_parallel.layout(input_ids, torch.zeros_like(input_ids), packed,
-                                  config.context_parallel_size,
+    lay = context_parallel.layout(input_ids, packed, config.context_parallel_size,
                                   ps.get_context_parallel_rank(), multiple)
     following = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
     targets = torch.zeros_like(lay.input_ids)

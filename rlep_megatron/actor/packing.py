@@ -146,15 +146,10 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
     if not router_losses:
         padding_mask = None
     if config.context_parallel_size > 1:  # this rank's chunks of every sequence
+        lay = context_parallel_layout(input_ids, packed, config)
+        input_ids, position_ids, packed = context_parallel_inputs(lay, input_ids.device)
         if padding_mask is not None:
-            from megatron.core import parallel_state as ps
-
-            from rlep_megatron.models.context_parallel import local_values
-
-            padding_mask = local_values(padding_mask, packed, config.context_parallel_size,
-                                        ps.get_context_parallel_rank(), multiple, fill=True)
-        input_ids, position_ids, packed = context_parallel_inputs(
-            input_ids, position_ids, packed, config)
+            padding_mask = lay.local_values(padding_mask, fill=True)
         extra = 0
     if extra:
         input_ids = torch.nn.functional.pad(input_ids, (0, extra))
@@ -188,20 +183,26 @@ def run_model(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: tor
         return model(input_ids, position_ids, attention_mask=None, **extra_kwargs)
 
 
-def context_parallel_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor,
-                            packed: Optional[dict], config):
-    """This CP rank's tokens, positions and (global, padded) ``cu_seqlens`` of a micro-batch
-    (:func:`rlep_megatron.models.context_parallel.layout`)."""
+def context_parallel_layout(values: torch.Tensor, packed: Optional[dict], config):
+    """This CP rank's layout of a micro-batch of ``values [b, s]`` (``packed``: its
+    ``cu_seqlens``) as the model is fed it
+    (:func:`rlep_megatron.models.context_parallel.layout`; each rank's share a multiple of TP
+    under sequence parallelism)."""
     from megatron.core import parallel_state as ps
 
     from rlep_megatron.models import context_parallel
 
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    lay = context_parallel.layout(input_ids, position_ids, packed, config.context_parallel_size,
-                                  ps.get_context_parallel_rank(), multiple)
-    local = lay.local.to(input_ids.device)
-    if lay.packed is not None:
-        packed = {k: v.to(input_ids.device) for k, v in lay.packed.items()}
+    return context_parallel.layout(values, packed, config.context_parallel_size,
+                                   ps.get_context_parallel_rank(), multiple)
+
+
+def context_parallel_inputs(lay, device: torch.device):
+    """This CP rank's tokens, positions and (global, padded) ``cu_seqlens`` of a micro-batch
+    laid out by :func:`context_parallel_layout`."""
+    local = lay.local.to(device)
+    packed = (None if lay.packed is None
+              else {k: v.to(device) for k, v in lay.packed.items()})
     return (lay.input_ids.index_select(1, local), lay.position_ids.index_select(1, local),
             packed)
 

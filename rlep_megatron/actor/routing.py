@@ -50,11 +50,10 @@ def router_order(values: torch.Tensor, config, fill: int,
 
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     if config.context_parallel_size > 1:
-        from rlep_megatron.models.context_parallel import local_values
+        from rlep_megatron.actor.packing import context_parallel_layout
 
         # the CP layout already makes every rank's share a multiple of TP
-        values = local_values(values, packed, config.context_parallel_size,
-                              ps.get_context_parallel_rank(), tp, fill)
+        values = context_parallel_layout(values, packed, config).local_values(values, fill)
     columns = values.t()
     extra = -columns.shape[0] % tp
     if extra:
@@ -132,9 +131,9 @@ class RoutingReplay:
                   share: bool = True):
         """Record every layer's top-k of the forward passes inside into :attr:`store`
         (``{layer: [rows, columns, k]}`` in :attr:`dtype`, -1 where no token was routed,
-        on the host). ``engine``: the
-        rollout engine's experts in the same frame (-1: unknown), compared with the actor's and,
-        with ``follow_engine``, routed by (module doc). ``share``: give every rank of the
+        on the host). ``engine``: the rollout engine's experts in the same frame (-1:
+        unknown), compared with the actor's and, with ``follow_engine``, routed by (module
+        doc). ``share``: give every rank of the
         tensor- and context-parallel group every token's record at the end (collective), as a
         replay needs; ``False`` when the record only serves the comparison with the engine."""
         self.store = {layer: torch.full((num_rows, num_columns, self.topk_size), -1,

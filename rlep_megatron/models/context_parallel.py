@@ -55,20 +55,28 @@ class ContextLayout:
     packed: Optional[dict]
     """``cu_seqlens`` / ``max_seqlen`` of the padded pack (global), or ``None``."""
 
+    def local_values(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """``[rows, columns]`` per-token values of the micro-batch -> ``[rows, local tokens]``:
+        those of the tokens this CP rank holds, in the order it feeds them to the model;
+        places the layout adds hold ``fill``."""
+        full = torch.full((values.shape[0], self.bounds[-1]), fill, dtype=values.dtype,
+                          device=values.device)
+        full[:, self.original.to(values.device)] = values
+        return full.index_select(1, self.local.to(values.device))
 
-def layout(input_ids: torch.Tensor, position_ids: torch.Tensor, packed: Optional[dict],
-           cp: int, rank: int, multiple: int = 1, fill: int = 0) -> ContextLayout:
-    """The CP layout of a micro-batch (``packed``: its ``cu_seqlens``; ``None``: padded rows).
-    ``multiple``: each rank's token count must be a multiple of it (the TP size under sequence
-    parallelism): a pack gets a filler sequence, padded rows more padding. ``fill``: the value
-    of added places in :attr:`ContextLayout.input_ids` (which may hold any per-token values
-    of the micro-batch, not only token ids)."""
+
+def layout(input_ids: torch.Tensor, packed: Optional[dict], cp: int, rank: int,
+           multiple: int = 1) -> ContextLayout:
+    """The CP layout of a micro-batch (``packed``: its ``cu_seqlens``; ``None``: padded rows;
+    positions restart at 0 in every sequence). ``multiple``: each rank's token count must be a
+    multiple of it (the TP size under sequence parallelism): a pack gets a filler sequence,
+    padded rows more padding."""
     length = input_ids.shape[1]
     unit = 2 * cp
     if packed is None:
         step = unit * multiple
         padded = -(-length // step) * step
-        ids = torch.nn.functional.pad(input_ids, (0, padded - length), value=fill)
+        ids = torch.nn.functional.pad(input_ids, (0, padded - length))
         positions = torch.arange(padded, device=input_ids.device).expand(input_ids.shape[0], -1)
         bounds = [0, padded]
         original = torch.arange(length)
@@ -85,7 +93,7 @@ def layout(input_ids: torch.Tensor, position_ids: torch.Tensor, packed: Optional
         bounds = [0]
         for size in padded_sizes:
             bounds.append(bounds[-1] + size)
-        ids = torch.full((1, bounds[-1]), fill, dtype=input_ids.dtype, device=input_ids.device)
+        ids = torch.zeros(1, bounds[-1], dtype=input_ids.dtype, device=input_ids.device)
         original = torch.cat([torch.arange(bounds[i], bounds[i] + int(s))
                               for i, s in enumerate(sizes)])
         ids[0, original.to(ids.device)] = input_ids[0]
@@ -95,15 +103,6 @@ def layout(input_ids: torch.Tensor, position_ids: torch.Tensor, packed: Optional
     return ContextLayout(input_ids=ids, position_ids=positions.to(input_ids.device),
                          bounds=bounds, original=original,
                          local=chunk_positions(bounds, cp, rank), packed=cu)
-
-
-def local_values(values: torch.Tensor, packed: Optional[dict], cp: int, rank: int,
-                 multiple: int = 1, fill: int = 0) -> torch.Tensor:
-    """``[rows, columns]`` per-token values of a micro-batch -> ``[rows, local tokens]``, the
-    values of the tokens this CP rank holds, in the order it feeds them to the model
-    (:func:`layout`); places the layout adds hold ``fill``."""
-    lay = layout(values, torch.zeros_like(values), packed, cp, rank, multiple, fill)
-    return lay.input_ids.index_select(1, lay.local.to(values.device))
 
 
 class _GatherIdentical(torch.autograd.Function):

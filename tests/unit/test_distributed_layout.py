@@ -69,8 +69,7 @@ def test_context_parallel_layout_of_the_worked_example():
     tokens -> 4 and 8) and keeps the global offsets; per-token values of the micro-batch (the
     routers' token places) follow the tokens, added places filled; a MoE model may combine CP
     with EP."""
-    from rlep_megatron.models.context_parallel import (chunk_positions, gathered_order, layout,
-                                                       local_values)
+    from rlep_megatron.models.context_parallel import chunk_positions, gathered_order, layout
 
     assert chunk_positions([0, 8], 2, 0).tolist() == [0, 1, 6, 7]
     assert chunk_positions([0, 8], 2, 1).tolist() == [2, 3, 4, 5]
@@ -79,22 +78,25 @@ def test_context_parallel_layout_of_the_worked_example():
         list(range(8))
     ids = torch.arange(1, 9).unsqueeze(0)
     packed = {"cu_seqlens": torch.tensor([0, 3, 8], dtype=torch.int32)}
-    lay = layout(ids, torch.zeros_like(ids), packed, cp=2, rank=1)
+    lay = layout(ids, packed, cp=2, rank=1)
     assert lay.bounds == [0, 4, 12]
     assert lay.input_ids[0].tolist() == [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]
     assert lay.local.tolist() == [1, 2, 6, 7, 8, 9]  # chunk 1 and 2 of each sequence
     assert lay.original.tolist() == [0, 1, 2, 4, 5, 6, 7, 8]
     # with sequence parallelism at TP 4 each rank needs a multiple of 4: a filler sequence
-    assert layout(ids[:, :3], ids[:, :3], {"cu_seqlens": torch.tensor(
+    assert layout(ids[:, :3], {"cu_seqlens": torch.tensor(
         [0, 3], dtype=torch.int32)}, cp=2, rank=0, multiple=4).bounds == [0, 4, 8]
-    assert local_values(ids, packed, cp=2, rank=1, fill=-1)[0].tolist() == [2, 3, 6, 7, 8, -1]
-    assert local_values(ids, packed, cp=2, rank=0, fill=-1)[0].tolist() == [1, -1, 4, 5, -1, -1]
+    assert lay.local_values(ids, fill=-1)[0].tolist() == [2, 3, 6, 7, 8, -1]
+    first = layout(ids, packed, cp=2, rank=0)
+    assert first.local_values(ids, fill=-1)[0].tolist() == [1, -1, 4, 5, -1, -1]
     mask = torch.zeros(1, 8, dtype=torch.bool)
-    assert local_values(mask, packed, cp=2, rank=0, fill=True)[0].tolist() == \
+    assert first.local_values(mask, fill=True)[0].tolist() == \
         [False, True, False, False, True, True]
     rows = torch.tensor([[1, 2, 3], [4, 5, 6]])  # padded rows: 3 columns -> 4, then chunks
-    assert local_values(rows, None, cp=2, rank=1, fill=-1).tolist() == [[2, 3], [5, 6]]
-    assert local_values(rows, None, cp=2, rank=0, fill=-1).tolist() == [[1, -1], [4, -1]]
+    assert layout(rows, None, cp=2, rank=1).local_values(rows, fill=-1).tolist() == \
+        [[2, 3], [5, 6]]
+    assert layout(rows, None, cp=2, rank=0).local_values(rows, fill=-1).tolist() == \
+        [[1, -1], [4, -1]]
     # CP2 x EP2 on 2 ranks: DP 1, the experts split over the two CP ranks
     assert validate_parallel_layout(2, ParallelConfig(context_parallel_size=2,
                                                       expert_model_parallel_size=2),
