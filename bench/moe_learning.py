@@ -35,7 +35,8 @@ def one_seed(seed: int, out: str, warm_start_steps: int) -> dict:
                           max_operand=9, num_slips_easy=1, num_slips_hard=1)
     started = time.perf_counter()
     model = make_tiny_model(os.path.join(out, f"model_{seed}"), seed=seed, arch="qwen3_moe")
-    warm_start(model, task["solutions"], steps=warm_start_steps, seed=seed, show_progress=False)
+    warm_start(model, task["solutions"], steps=warm_start_steps, lr=3e-3, seed=seed,
+               show_progress=False)
     warm_s = time.perf_counter() - started
     run = os.path.join(out, f"run_{seed}")
     started = time.perf_counter()

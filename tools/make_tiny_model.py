@@ -3,7 +3,7 @@ with a chat template) offline. Same seed -> identical files.
 
     python tools/make_tiny_model.py --out-dir models/tiny-qwen2 [--seed 0] [--arch qwen2|qwen3|qwen3_moe|llama]
     python tools/make_tiny_model.py --out-dir outputs/tiny/model --task-dir outputs/tiny/task \
-        --pretrain-steps 2500     # warm start on the task's train_solutions.jsonl
+        --pretrain-steps 1500     # warm start on the task's train_solutions.jsonl (the demo's)
 """
 import argparse
 import os
@@ -23,6 +23,8 @@ def main() -> int:
                         help="tiny task directory (tools/make_tiny_task.py) for --pretrain-steps")
     parser.add_argument("--pretrain-steps", type=int, default=0,
                         help="supervised warm-start steps on the task's reference solutions")
+    parser.add_argument("--pretrain-lr", type=float, default=1e-3,
+                        help="peak learning rate of the warm start (warm-up, then cosine decay)")
     args = parser.parse_args()
     if args.pretrain_steps and not args.task_dir:
         parser.error("--pretrain-steps needs --task-dir")
@@ -32,7 +34,7 @@ def main() -> int:
         from rlep_megatron.tiny_task import warm_start
 
         result = warm_start(args.out_dir, os.path.join(args.task_dir, "train_solutions.jsonl"),
-                            args.pretrain_steps, seed=args.seed,
+                            args.pretrain_steps, lr=args.pretrain_lr, seed=args.seed,
                             eval_parquet=os.path.join(args.task_dir, "val.parquet"))
         print(f"warm start: {args.pretrain_steps} steps, final loss {result['loss']:.3f}, "
               f"greedy accuracy on val.parquet {100 * result['accuracy']:.1f}% "

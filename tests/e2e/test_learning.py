@@ -51,7 +51,7 @@ def learnable(tmp_path_factory):
     task = make_tiny_task(str(root / "task"), seed=0, num_train=160, num_val=16, max_operand=9,
                           num_slips_easy=1, num_slips_hard=1)
     model = make_tiny_model(str(root / "model"), seed=0)
-    warm_start(model, task["solutions"], steps=WARM_START_STEPS, show_progress=False)
+    warm_start(model, task["solutions"], steps=WARM_START_STEPS, lr=3e-3, show_progress=False)
     return task, model
 
 
