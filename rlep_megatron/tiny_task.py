@@ -273,9 +273,9 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
     warm-up and clipping, a peak of 3e-3 still held the two-digit ``column`` corpus on a plateau
     (loss about 0.2, almost no question answered right) until the cosine had brought the rate
     down, a point that moved with the seed and the CPU's floats (on one CPU the demo's warm
-    start ended still on it: 11% greedy accuracy where another CPU reached 66%); a constant 1e-3
-    left the plateau by about step 750 on the same seed. The reported ``loss`` is the mean of
-    the last 50 steps' batch losses."""
+    start ended still on it: 11% greedy accuracy where another CPU reached 66%); at 1e-3 it
+    leaves the plateau between steps 500 and 1000 (seeds 0 and 1). The reported ``loss`` is
+    the mean of the last 50 steps' batch losses."""
     import math
 
     import torch

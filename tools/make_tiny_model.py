@@ -3,7 +3,7 @@ with a chat template) offline. Same seed -> identical files.
 
     python tools/make_tiny_model.py --out-dir models/tiny-qwen2 [--seed 0] [--arch qwen2|qwen3|qwen3_moe|llama]
     python tools/make_tiny_model.py --out-dir outputs/tiny/model --task-dir outputs/tiny/task \
-        --pretrain-steps 1500     # warm start on the task's train_solutions.jsonl (the demo's)
+        --pretrain-steps 2500     # warm start on the task's train_solutions.jsonl (the demo's)
 """
 import argparse
 import os

@@ -40,7 +40,7 @@ def test_readme_walkthrough_runs_as_written(tmp_path):
         [".venv/bin/rlep", sub] for sub in ("train", "collect", "train", "eval")]
     os.symlink(os.path.join(REPO_ROOT, "examples"), tmp_path / "examples")
     # where `rlep demo --prepare-only` looks: a task the tiny model memorises in seconds (the
-    # demo's own takes 1500 warm-start steps), recorded with the demo's settings
+    # demo's own takes 2500 warm-start steps), recorded with the demo's settings
     tiny = tmp_path / "outputs" / "tiny"
     tiny.mkdir(parents=True)
     _check_settings(str(tiny), 0)
