@@ -54,12 +54,9 @@ logger = logging.getLogger(__name__)
 # default" has the figures over warm-start seeds and thread counts.
 TASK = {"kind": "column", "num_train": 3000, "num_rl_train": 128, "num_val": 64,
         "max_operand": 99, "num_slips_easy": 1, "num_slips_hard": 2, "stepwise_fraction": 0.25}
-# 2500 supervised steps at a peak lr of 1e-3 (warm-up, cosine decay). A peak of 3e-3 held the
-# model on a plateau until the decay brought the rate down, a point that moved with the seed
-# and the CPU: one CPU's warm start ended on it (11% greedy accuracy where another's reached
-# 66%); at 1e-3 it leaves it between steps 500 and 1000 (tiny_task.warm_start). 1500 steps
-# at 1e-3 left the model short of the corpus' distribution (validation mean@8 29%, and RL
-# then lowered it); the steps after the plateau bring its samples close to the corpus' mix.
+# 2500 supervised steps at a peak lr of 1e-3 (why not 3e-3: tiny_task.warm_start's docstring).
+# 1500 steps at 1e-3 left the model short of the corpus' mix (validation mean@8 29% at step
+# 0, and RL then lowered it).
 WARM_START = {"steps": 2500, "lr": 1e-3, "batch_size": 32}
 QUICK = {"seeds": 4, "steps": 30}
 LONG = {"seeds": 8, "steps": 60}
