@@ -58,11 +58,13 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
     if cfg.algo.routing_replay != "off" and not layout_limits(hf)["num_experts"]:
         problems.append(f"algo.routing_replay={cfg.algo.routing_replay} needs a "
                         "mixture-of-experts model; this one is dense: use off")
-    elif cfg.algo.routing_replay == "rollout" and _gpu_engine():
-        problems.append("algo.routing_replay=rollout: the engine's routing is captured only "
-                        "from an engine whose forward runs eagerly in vLLM's V1 model runner "
-                        "(the CPU backend); a GPU engine (V2 runner, CUDA graphs) is not wired "
-                        "yet: use actor (replays the old-log-prob pass's routing)")
+    elif cfg.algo.routing_replay == "rollout":
+        from rlep_megatron.rollout.routing_capture import eager_v1_engine_settings
+
+        try:
+            eager_v1_engine_settings(_gpu_engine(), os.environ)
+        except ValueError as err:
+            problems.append(str(err))
     for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         if getattr(cfg.algo, key) > 0 and not layout_limits(hf)["num_experts"]:
             problems.append(f"algo.{key} needs a mixture-of-experts model; this one is dense: "

@@ -305,12 +305,14 @@ class AlgoConfig:
     from the live router logits, so the router learns); the updates then change the experts'
     weights but not which experts each token uses (:mod:`rlep_megatron.actor.routing`).
     ``rollout`` routes the old-log-prob pass and every update through the experts the
-    inference engine chose for each fresh token (:mod:`rlep_megatron.rollout.routing_capture`;
-    the engine must run its forward eagerly: the CPU backend does, a GPU engine with CUDA
-    graphs is refused), and the actor's own choice where the engine has none (replayed pool
-    answers, each response's last token). ``off``: the routers choose in every pass. Whatever
+    inference engine chose for each fresh token (:mod:`rlep_megatron.rollout.routing_capture`,
+    read from an engine on vLLM's V1 runner running eagerly: the CPU backend is one, and on a
+    GPU the engine is then built as one, without CUDA graphs, so it generates more slowly), and
+    the actor's own choice where the engine has none (replayed pool answers, each response's
+    last token). ``off``: the routers choose in every pass. Whatever
     the mode, ``rollout/routing_mismatch_frac`` measures how often the actor's own top-k
-    differs from the engine's."""
+    differs from the engine's, where the engine's routing is read (on a GPU: with
+    ``rollout`` only)."""
     moe_aux_loss_coeff: float = 0.0
     """Mixture-of-experts models: weight of the load-balancing auxiliary loss (the Switch
     Transformer's ``E x sum_e f_e P_e`` per MoE layer and micro-batch over its real tokens:

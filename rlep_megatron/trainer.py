@@ -288,7 +288,7 @@ class Trainer:
         self.engine = RolloutEngine(
             cfg.model.hf_dir, cfg.rollout, dtype=str(self.info.params_dtype).split(".")[-1],
             seed=cfg.trainer.seed, max_model_len=self.max_model_len, load_weights=False,
-            capture_routing=self.moe)
+            capture_routing=self.moe, eager_for_routing=cfg.algo.routing_replay == "rollout")
         if self.engine.routing_unavailable is not None:
             if cfg.algo.routing_replay == "rollout":
                 raise ValueError("algo.routing_replay=rollout needs the engine's routing, which "

@@ -166,7 +166,12 @@ def _quiet_expected_reload_warnings(tied_embeddings: bool) -> None:
 
 
 class RolloutEngine:
-    """One vLLM engine replica per rollout group; collective over the whole world."""
+    """One vLLM engine replica per rollout group; collective over the whole world.
+
+    ``capture_routing``: record the experts a mixture-of-experts engine routes each token to,
+    where the engine allows it (else ``routing_unavailable`` says why); ``eager_for_routing``:
+    on a GPU, build the engine so that it allows it (vLLM's V1 runner without CUDA graphs,
+    slower; :func:`~rlep_megatron.rollout.routing_capture.eager_v1_engine_settings`)."""
 
     capturing_routing = False
     routing_unavailable: Optional[str] = None
@@ -174,7 +179,7 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, dtype: str = "auto",
                  seed: int = 0, max_model_len: int = 4096, load_weights: bool = True,
-                 capture_routing: bool = False):
+                 capture_routing: bool = False, eager_for_routing: bool = False):
         if not torch.distributed.is_initialized():
             raise RuntimeError("RolloutEngine needs torch.distributed initialised first "
                                "(rlep_megatron.distributed.init_process_group)")
@@ -214,6 +219,17 @@ class RolloutEngine:
         started = time.perf_counter()
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
+        if capture_routing and eager_for_routing:
+            from rlep_megatron.rollout.routing_capture import eager_v1_engine_settings
+
+            eager, variables = eager_v1_engine_settings(platform.cuda_available(), os.environ)
+            os.environ.update(variables)
+            settings.update(eager)
+            if eager:
+                logger.info("rollout engine: vLLM's V1 model runner without CUDA graphs, so "
+                            "that the experts it routes each token to can be replayed "
+                            "(algo.routing_replay=rollout); generation is slower than with "
+                            "graphs")
         self.llm = LLM(
             model=model_dir, dtype=dtype, seed=seed,
             tensor_parallel_size=tp, data_parallel_size=1,

@@ -21,12 +21,14 @@ ids, ``-1`` where nothing was routed (dense layers, and the last sampled token, 
 never feeds back). Row ``q`` is the routing of the token at position ``q`` (prompt then
 response), the same place the actor's forward routes it.
 
-Needs an engine whose forward runs in Python every step (no CUDA graphs): the CPU backend, or a
-GPU engine in eager mode; :func:`capture_supported` says which.
+Needs an engine whose forward runs in Python every step (no CUDA graphs) on the V1 runner: the
+CPU backend always is one; a GPU engine is built as one when ``algo.routing_replay=rollout``
+asks for the engine's routing (:func:`eager_v1_engine_settings`), and otherwise runs as vLLM
+chooses, without capture. :func:`capture_supported` says whether a runner can be read.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -34,16 +36,43 @@ import torch
 CAPTURED_DTYPE = np.int16
 
 
+V2_RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def eager_v1_engine_settings(cuda: bool, environ: Mapping[str, str]
+                             ) -> tuple[dict, dict[str, str]]:
+    """What a GPU engine needs for its routing to be captured: vLLM's V1 model runner (vLLM
+    picks the V2 runner wherever Triton is installed; V2 returns routed experts itself, a path
+    not wired here) and eager mode (a replayed CUDA graph does not call the routers' Python
+    hook). Returns ``(LLM keyword arguments, environment variables to set before the engine is
+    built)``; nothing on CPU, whose engine is both already. The cost is every decode step's
+    kernel launches without graphs: slower generation, most for small batches.
+
+    Raises ValueError when ``environ`` asks for the V2 runner (``VLLM_USE_V2_MODEL_RUNNER`` set
+    to anything but 0), which would silently leave the routing uncaptured."""
+    if not cuda:
+        return {}, {}
+    asked = environ.get(V2_RUNNER_VARIABLE)
+    if asked is not None and asked.strip() not in ("", "0"):
+        raise ValueError(f"algo.routing_replay=rollout captures the engine's routing on vLLM's "
+                         f"V1 model runner, but {V2_RUNNER_VARIABLE}={asked} asks for V2: unset "
+                         "it, or use algo.routing_replay=actor (replays the old-log-prob pass's "
+                         "routing, with the engine as vLLM builds it)")
+    return {"enforce_eager": True}, {V2_RUNNER_VARIABLE: "0"}
+
+
 def capture_supported(runner) -> Optional[str]:
     """``None`` when routing can be captured on this model runner, else why not."""
     prepare = getattr(type(runner), "_prepare_inputs", None)
     if prepare is None or not hasattr(runner, "input_batch"):
         return (f"vLLM's {type(runner).__name__} is not the V1 model runner (the V2 runner, "
-                "used on GPUs with Triton, serves routed experts itself; not wired yet)")
+                "used on GPUs with Triton, serves routed experts itself; not wired yet; "
+                "algo.routing_replay=rollout builds the engine on the V1 runner)")
     mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
     if runner.device.type != "cpu" and mode is not None and str(mode).split(".")[-1] != "NONE":
         return ("the engine replays CUDA graphs, where the routers' Python hook does not run "
-                "(engine routing capture needs eager mode)")
+                "(engine routing capture needs eager mode, as algo.routing_replay=rollout "
+                "builds it)")
     return None
 
 

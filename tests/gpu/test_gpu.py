@@ -1,8 +1,9 @@
 """On one GPU (``scripts/gpu_check.sh``; skipped without CUDA): the actor in bf16 against
 transformers (local spec and TransformerEngine, padded and packed), Qwen3 and Qwen3-MoE in fp32
 against transformers (local spec), one fp32 train step against
-the transformers + AdamW reference, the same step in bf16 with TransformerEngine, and the
-rollout engine's sleep / wake / sync / generate cycle with parity after the wake.
+the transformers + AdamW reference, the same step in bf16 with TransformerEngine, the
+rollout engine's sleep / wake / sync / generate cycle with parity after the wake, and the
+engine's expert routing captured and replayed (``algo.routing_replay=rollout``'s engine).
 
 Every program runs with the parent's ``CUDA_VISIBLE_DEVICES`` (unset stays unset) and reports
 the device its parameters live on: a test that ran on the CPU fails.
@@ -198,3 +199,25 @@ def test_sleep_wake_sync_generate_cycle_keeps_parity(tiny_qwen2_dir, tmp_path):
     for key in ("parity_after", "parity_after_sleep"):
         assert entry[key]["tokens"] > 50
         assert entry[key]["mean"] <= BF16_MEAN, (key, entry[key])
+
+
+def test_engine_routing_is_captured_and_replayed_on_the_gpu(tiny_qwen3_moe_dir, tmp_path):
+    """The engine ``algo.routing_replay=rollout`` builds on a GPU (vLLM's V1 runner, no CUDA
+    graphs): its routing is captured; in fp32 without TF32 the actor's routers choose the
+    engine's experts on (almost) every token and layer (on CPU: all), the engine's experts one
+    position off disagree on many, and an actor that follows the engine uses exactly them."""
+    requires("vllm")
+    out = tmp_path / "report.json"
+    run_on_gpu("tests/vllm/rollout_sync_program.py",
+               ["--hf-dir", tiny_qwen3_moe_dir, "--rollout-tp", "1", "--layouts", "1x1",
+                "--eager-for-routing", "--dtype", "float32", "--out", str(out)],
+               timeout_s=900, env=NO_TF32)
+    report = json.loads(out.read_text())
+    entry = report["layouts"]["1x1"]
+    assert_on_cuda(entry["device"])
+    assert "routing" in entry, report["routing_unavailable"]
+    routing = entry["routing"]
+    assert routing["own"]["compared"] > 100, routing
+    assert routing["own"]["mismatch_frac"] <= 0.01, routing
+    assert routing["shifted"]["mismatch_frac"] > 0.3, routing
+    assert routing["followed"]["engine_experts_used"], routing

@@ -221,6 +221,28 @@ def test_rlep_config_catches_each_mistake_in_one_line(runnable, override, messag
     assert "config.valid_keys" not in err and err.count("trainer.") < 8  # no key dump
 
 
+def test_engine_routing_replay_is_checked_for_a_gpu_engine(tmp_path, tiny_qwen3_moe_dir,
+                                                           monkeypatch, capsys):
+    """routing_replay=rollout on a GPU: accepted (the engine is then built on vLLM's V1 runner,
+    eagerly), refused in one line when the environment asks for the V2 runner."""
+    from rlep_megatron import checks
+    from rlep_megatron.cli import main
+    from rlep_megatron.tiny_task import make_tiny_task
+
+    task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
+    moe = [f"model.hf_dir={tiny_qwen3_moe_dir}", f"data.train_files=[{task['train']}]",
+           f"data.val_files=[{task['val']}]", "data.max_prompt_tokens=128",
+           "rollout.max_response_tokens=256", "algo.routing_replay=rollout"]
+    monkeypatch.setattr(checks, "_gpu_engine", lambda: True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert main(["config", *moe]) == 0
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    capsys.readouterr()
+    assert main(["config", *moe]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "VLLM_USE_V2_MODEL_RUNNER=1 asks for V2" in lines[0], lines
+
+
 def test_rlep_config_lists_every_problem_once(runnable, capsys):
     from rlep_megatron.cli import main
 

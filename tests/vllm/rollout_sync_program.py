@@ -138,6 +138,9 @@ def main():
     parser.add_argument("--sleep-cycle", action="store_true",
                         help="after the layouts: sleep, wake (weights), sync, generate, probe")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--eager-for-routing", action="store_true",
+                        help="on a GPU, build the engine so that its routing can be captured "
+                             "(as algo.routing_replay=rollout does)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hf_config = load_hf_config(args.hf_dir)
@@ -146,9 +149,11 @@ def main():
     cfg = RolloutConfig(num_samples_per_prompt=2, tensor_model_parallel_size=args.rollout_tp,
                         max_response_tokens=20, temperature=1.0)
     engine = RolloutEngine(args.hf_dir, cfg, dtype=args.dtype, seed=0, max_model_len=128,
-                           capture_routing=num_experts(hf_config) > 0)
+                           capture_routing=num_experts(hf_config) > 0,
+                           eager_for_routing=args.eager_for_routing)
     prompts = [chat(p) for p in PROMPTS]
-    report = {"rollout_dp": engine.dp_size, "layouts": {}}
+    report = {"rollout_dp": engine.dp_size, "layouts": {},
+              "routing_unavailable": engine.routing_unavailable}
 
     # reproducibility and per-prompt (so per-replica) sampling
     first = engine.generate(prompts, seed=11)
