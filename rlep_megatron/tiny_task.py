@@ -45,7 +45,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from rlep_megatron.staging import write_file_atomic
 from rlep_megatron.data.schema import PromptRows, rows_to_table, write_table_atomic
@@ -260,7 +260,9 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
                batch_size: int = 32, seed: int = 0, eval_parquet: Optional[str] = None,
                eval_questions: int = 64, warmup_steps: int = 50,
                show_progress: bool = True,
-               extra_record: Optional[dict] = None) -> dict[str, float]:
+               extra_record: Optional[dict] = None, report_every: int = 0,
+               report: Optional[Callable[[int, float, Any, Any], None]] = None
+               ) -> dict[str, float]:
     """Supervised steps on reference solutions (loss on the response tokens, EOS included),
     written back to ``model_dir`` atomically with a ``warm_start.json`` record (settings,
     results, ``extra_record``). Returns ``{"loss", "accuracy"}`` where accuracy is
@@ -274,8 +276,11 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
     (loss about 0.2, almost no question answered right) until the cosine had brought the rate
     down, a point that moved with the seed and the CPU's floats (on one CPU the demo's warm
     start ended still on it: 11% greedy accuracy where another CPU reached 66%); at 1e-3 it
-    leaves the plateau between steps 500 and 1000 (seeds 0 and 1). The reported ``loss`` is
-    the mean of the last 50 steps' batch losses."""
+    leaves the plateau between steps 500 and 1000 (seeds 0 and 1; ``bench/warm_start_curve.py``
+    prints the curves). The reported ``loss`` is the mean of the last 50 steps' batch losses.
+
+    ``report(step, loss, model, tokenizer)`` is called every ``report_every`` steps and after
+    the last, with the model in eval mode (back in train mode afterwards)."""
     import math
 
     import torch
@@ -308,7 +313,7 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
 
     model.train()
     recent: list[float] = []
-    for _ in progress(range(steps), desc="warm start", unit="step", enabled=show_progress):
+    for step in progress(range(steps), desc="warm start", unit="step", enabled=show_progress):
         batch = rng.sample(encoded, min(batch_size, len(encoded)))
         length = max(len(p) + len(r) for p, r in batch)
         ids = torch.full((len(batch), length), tokenizer.pad_token_id, dtype=torch.long)
@@ -323,6 +328,12 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
         optimizer.step()
         scheduler.step()
         recent = recent[-49:] + [float(loss.detach())]
+        done = step + 1
+        if report is not None and ((report_every and done % report_every == 0)
+                                   or done == steps):
+            model.eval()
+            report(done, sum(recent) / len(recent), model, tokenizer)
+            model.train()
     loss_value = sum(recent) / len(recent)
     model.eval()
     accuracy = float("nan")

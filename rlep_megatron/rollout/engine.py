@@ -223,7 +223,8 @@ class RolloutEngine:
             from rlep_megatron.rollout.routing_capture import eager_v1_engine_settings
 
             eager, variables = eager_v1_engine_settings(platform.cuda_available(), os.environ)
-            os.environ.update(variables)
+            restore = {name: os.environ.get(name) for name in variables}
+            os.environ.update(variables)  # read while the engine's worker is built
             settings.update(eager)
             if eager:
                 logger.info("rollout engine: vLLM's V1 model runner without CUDA graphs, so "
@@ -241,6 +242,11 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
         )
+        for name, value in (restore.items() if capture_routing and eager_for_routing else ()):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
         if capture_routing:
             self._start_routing_capture(hf_config)

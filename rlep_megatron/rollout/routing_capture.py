@@ -44,20 +44,20 @@ def eager_v1_engine_settings(cuda: bool, environ: Mapping[str, str]
     """What a GPU engine needs for its routing to be captured: vLLM's V1 model runner (vLLM
     picks the V2 runner wherever Triton is installed; V2 returns routed experts itself, a path
     not wired here) and eager mode (a replayed CUDA graph does not call the routers' Python
-    hook). Returns ``(LLM keyword arguments, environment variables to set before the engine is
+    hook). Returns ``(LLM keyword arguments, environment variables to set while the engine is
     built)``; nothing on CPU, whose engine is both already. The cost is every decode step's
     kernel launches without graphs: slower generation, most for small batches.
 
-    Raises ValueError when ``environ`` asks for the V2 runner (``VLLM_USE_V2_MODEL_RUNNER`` set
-    to anything but 0), which would silently leave the routing uncaptured."""
-    if not cuda:
-        return {}, {}
-    asked = environ.get(V2_RUNNER_VARIABLE)
-    if asked is not None and asked.strip() not in ("", "0"):
+    Raises ValueError when ``environ`` asks for the V2 runner (``VLLM_USE_V2_MODEL_RUNNER`` a
+    non-zero integer, as vLLM reads it), on any device: the routing would go uncaptured."""
+    asked = environ.get(V2_RUNNER_VARIABLE, "").strip()
+    if asked and (not asked.lstrip("+-").isdigit() or int(asked) != 0):
         raise ValueError(f"algo.routing_replay=rollout captures the engine's routing on vLLM's "
                          f"V1 model runner, but {V2_RUNNER_VARIABLE}={asked} asks for V2: unset "
                          "it, or use algo.routing_replay=actor (replays the old-log-prob pass's "
                          "routing, with the engine as vLLM builds it)")
+    if not cuda:
+        return {}, {}
     return {"enforce_eager": True}, {V2_RUNNER_VARIABLE: "0"}
 
 

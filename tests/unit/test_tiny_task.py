@@ -199,3 +199,34 @@ def test_the_demo_task_splits_are_disjoint_modulo_commutativity_and_questions_re
 def test_a_split_that_cannot_be_kept_apart_is_refused(tmp_path):
     with pytest.raises(ValueError, match="apart from the other splits modulo symmetry"):
         make_tiny_task(str(tmp_path), seed=0, num_train=6, num_val=2, max_operand=1)
+
+
+def test_warm_start_reports_along_the_way_without_changing_its_course(tiny_qwen2_dir,
+                                                                       tmp_path):
+    """The report hook (bench/warm_start_curve.py) sees every report_every-th step and the last,
+    in eval mode, and the weights it leaves equal those of a warm start without it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rlep_megatron import tiny_task
+
+    task = tiny_task.make_tiny_task(str(tmp_path / "task"), seed=0, num_train=8, num_val=2)
+    models = {}
+    calls = []
+
+    def report(step, loss, model, tokenizer):
+        calls.append((step, loss > 0, model.training))
+        model.generate(**tokenizer(["Compute 2 + 3."], return_tensors="pt"), max_new_tokens=3,
+                       do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+    for name, hook in (("plain", None), ("reported", report)):
+        models[name] = str(tmp_path / name)
+        shutil.copytree(tiny_qwen2_dir, models[name])
+        tiny_task.warm_start(models[name], task["solutions"], steps=5, batch_size=4,
+                             show_progress=False, report_every=2, report=hook)
+    assert calls == [(2, True, False), (4, True, False), (5, True, False)]
+    weights = [load_file(os.path.join(models[name], "model.safetensors")) for name in models]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -140,7 +140,7 @@ def test_a_gpu_engine_is_built_eager_on_the_v1_runner_when_its_routing_is_replay
         monkeypatch):
     """On a GPU, routing_replay=rollout builds the engine on vLLM's V1 runner without CUDA
     graphs (where the capture can read it); on CPU nothing changes; an environment that asks
-    for the V2 runner is refused. The variable means to vLLM what this module assumes."""
+    for the V2 runner is refused on either. The variable means to vLLM what this module assumes."""
     import vllm.envs
 
     from rlep_megatron.rollout.routing_capture import eager_v1_engine_settings
@@ -149,8 +149,9 @@ def test_a_gpu_engine_is_built_eager_on_the_v1_runner_when_its_routing_is_replay
     eager, variables = eager_v1_engine_settings(True, {})
     assert eager == {"enforce_eager": True} and variables == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert eager_v1_engine_settings(True, {"VLLM_USE_V2_MODEL_RUNNER": "0"})[0] == eager
-    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1 asks for V2"):
-        eager_v1_engine_settings(True, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
+    for cuda in (True, False):
+        with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1 asks for V2"):
+            eager_v1_engine_settings(cuda, {"VLLM_USE_V2_MODEL_RUNNER": "1"})
     for value, v2 in (("0", False), ("1", True)):
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
         assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is v2
