@@ -23,8 +23,9 @@ def main() -> int:
                         help="tiny task directory (tools/make_tiny_task.py) for --pretrain-steps")
     parser.add_argument("--pretrain-steps", type=int, default=0,
                         help="supervised warm-start steps on the task's reference solutions")
-    parser.add_argument("--pretrain-lr", type=float, default=1e-3,
-                        help="peak learning rate of the warm start (warm-up, then cosine decay)")
+    parser.add_argument("--pretrain-lr", type=float, default=None,
+                        help="peak learning rate of the warm start (warm-up, then cosine "
+                             "decay); default: rlep_megatron.tiny_task.warm_start's")
     args = parser.parse_args()
     if args.pretrain_steps and not args.task_dir:
         parser.error("--pretrain-steps needs --task-dir")
@@ -33,9 +34,10 @@ def main() -> int:
     if args.pretrain_steps:
         from rlep_megatron.tiny_task import warm_start
 
+        lr = {} if args.pretrain_lr is None else {"lr": args.pretrain_lr}
         result = warm_start(args.out_dir, os.path.join(args.task_dir, "train_solutions.jsonl"),
-                            args.pretrain_steps, lr=args.pretrain_lr, seed=args.seed,
-                            eval_parquet=os.path.join(args.task_dir, "val.parquet"))
+                            args.pretrain_steps, seed=args.seed,
+                            eval_parquet=os.path.join(args.task_dir, "val.parquet"), **lr)
         print(f"warm start: {args.pretrain_steps} steps, final loss {result['loss']:.3f}, "
               f"greedy accuracy on val.parquet {100 * result['accuracy']:.1f}% "
               f"(recorded in {os.path.join(args.out_dir, 'warm_start.json')})")
