@@ -165,6 +165,22 @@ def _quiet_expected_reload_warnings(tied_embeddings: bool) -> None:
             candidate.addFilter(_WARN_ONCE)
 
 
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]):
+    """Set ``variables`` in ``os.environ`` inside the block and put back what each was before
+    (unset included); every other variable, including those the block sets, is left alone."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class RolloutEngine:
     """One vLLM engine replica per rollout group; collective over the whole world.
 
@@ -219,34 +235,29 @@ class RolloutEngine:
         started = time.perf_counter()
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
+        variables: dict[str, str] = {}
         if capture_routing and eager_for_routing:
             from rlep_megatron.rollout.routing_capture import eager_v1_engine_settings
 
             eager, variables = eager_v1_engine_settings(platform.cuda_available(), os.environ)
-            restore = {name: os.environ.get(name) for name in variables}
-            os.environ.update(variables)  # read while the engine's worker is built
             settings.update(eager)
             if eager:
                 logger.info("rollout engine: vLLM's V1 model runner without CUDA graphs, so "
                             "that the experts it routes each token to can be replayed "
                             "(algo.routing_replay=rollout); generation is slower than with "
                             "graphs")
-        self.llm = LLM(
-            model=model_dir, dtype=dtype, seed=seed,
-            tensor_parallel_size=tp, data_parallel_size=1,
-            distributed_executor_backend="external_launcher",
-            max_model_len=max_model_len,
-            enable_sleep_mode=self.sleep_enabled,
-            **settings,
-            load_format="auto" if load_weights else "dummy",
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
-        )
-        for name, value in (restore.items() if capture_routing and eager_for_routing else ()):
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        with _environment(variables):  # read while the engine's worker is built
+            self.llm = LLM(
+                model=model_dir, dtype=dtype, seed=seed,
+                tensor_parallel_size=tp, data_parallel_size=1,
+                distributed_executor_backend="external_launcher",
+                max_model_len=max_model_len,
+                enable_sleep_mode=self.sleep_enabled,
+                **settings,
+                load_format="auto" if load_weights else "dummy",
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
+            )
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
         if capture_routing:
             self._start_routing_capture(hf_config)

@@ -157,6 +157,27 @@ def test_a_gpu_engine_is_built_eager_on_the_v1_runner_when_its_routing_is_replay
         assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is v2
 
 
+def test_the_engine_variables_are_put_back_and_nothing_else_touched(monkeypatch):
+    """The runner variable is set only while the engine is built (also when building fails);
+    what was unset is unset again, and variables the build itself sets stay."""
+    import os
+
+    from rlep_megatron.rollout.engine import _environment
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("RLEP_TEST_SET_INSIDE", raising=False)
+    with _environment({"VLLM_USE_V2_MODEL_RUNNER": "0"}):
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+        os.environ["RLEP_TEST_SET_INSIDE"] = "1"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    assert os.environ.pop("RLEP_TEST_SET_INSIDE") == "1"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0 ")
+    with pytest.raises(RuntimeError):
+        with _environment({"VLLM_USE_V2_MODEL_RUNNER": "0"}):
+            raise RuntimeError("the engine failed to build")
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0 "
+
+
 def test_a_response_gets_one_row_per_position():
     """An engine that runs one more forward after a stop (async scheduling) captures a row past
     the response: it is cut; a missing last row is filled with -1."""
