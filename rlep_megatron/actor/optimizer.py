@@ -27,10 +27,17 @@ def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool,
     schedule the per-chunk sync functions, as Megatron-LM's training loop does; with the
     parameter gather overlapped, call :meth:`ActorOptimizer.gather_params` before reading the
     weights outside a forward pass. ``bucket_size`` (elements; with ``overlap_grad_reduce``)
-    replaces megatron's default of max(40M, 1M x data-parallel size)."""
+    replaces megatron's default of max(40M, 1M x data-parallel size). Without data-parallel
+    replicas (one rank per model shard, experts included) there is no parameter gather to
+    overlap: it is turned off, as megatron's forward pre-hooks would only add work to every
+    forward pass. (The gradient reduction's overlap stays as configured: it decides how the
+    gradient buffer is cut into buckets, which the distributed optimizer's checkpointed
+    state follows.)"""
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
 
+    if not _data_parallel_replicas():
+        overlap_param_gather = False
     overlap_param_gather = overlap_param_gather and use_distributed_optimizer
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
@@ -52,6 +59,15 @@ def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool,
         if overlap_grad_reduce else None
     config.param_sync_func = None  # the forward pre-hooks gather (align_param_gather off)
     return wrapped
+
+
+def _data_parallel_replicas() -> bool:
+    """Whether gradients are reduced over more than one rank: data (with context) parallel
+    ranks, or the expert-data-parallel ranks of a mixture-of-experts model's experts."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_data_parallel_world_size(with_context_parallel=True) > 1
+            or ps.get_expert_data_parallel_world_size() > 1)
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""The local layer spec's core attention: megatron-core's ``DotProductAttention`` extended to
-THD-packed sequences (:mod:`rlep_megatron.actor.packing`) and computed with torch's fused
-``scaled_dot_product_attention``. TransformerEngine's attention takes packed sequences
-natively; this is its counterpart on CPU and on GPUs without TE."""
+"""The local layer spec's modules. Its core attention: megatron-core's ``DotProductAttention``
+extended to THD-packed sequences (:mod:`rlep_megatron.actor.packing`) and computed with torch's
+fused ``scaled_dot_product_attention``. TransformerEngine's attention takes packed sequences
+natively; this is its counterpart on CPU and on GPUs without TE. Also its dense MLP (megatron's,
+with a leaner gated activation) and an RMSNorm that works with sequence parallelism."""
 from __future__ import annotations
 
 import copy
@@ -33,13 +34,18 @@ def _local_attention_class():
             self.config = config
 
         def _fused(self, query, key, value):
-            """``[s, b, heads, dim]`` (keys/values with their query groups) -> ``[s, b, h]``."""
+            """``[s, b, heads, dim]`` (keys/values with their query groups) -> ``[s, b, h]``.
+            With grouped keys/values (GQA), torch's CPU kernel takes the groups as they are
+            (``enable_gqa``); elsewhere each group is repeated for its queries first, since
+            which CUDA backends of torch's attention accept grouped heads depends on the torch
+            version, and a refusing one would fall back to the slow math path."""
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             repeat = q.shape[1] // k.shape[1]
-            if repeat > 1:
+            grouped = repeat > 1 and q.device.type == "cpu"
+            if repeat > 1 and not grouped:
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale)
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=grouped)
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
@@ -84,6 +90,43 @@ def _local_attention_class():
 
 
 _PACKED_LOCAL_ATTENTION = None
+_GATED_MLP = None
+
+
+def _gated_mlp_class():
+    from megatron.core.transformer.mlp import MLP
+
+    class GatedMLP(MLP):
+        """megatron-core's MLP, whose gated activation without biases, clamp or fusion is
+        computed as ``act(gate) * linear``: megatron's own adds ``config.glu_linear_offset``
+        to the linear half as a separate elementwise pass even when it is 0 (one read and
+        write of the widest activation per layer and micro-batch, a few percent of a small
+        model's step on CPU). Any other setting runs megatron's forward unchanged."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self._plain_glu = (config.gated_linear_unit and not config.add_bias_linear
+                               and not config.bias_activation_fusion
+                               and not config.use_te_activation_func
+                               and config.activation_func_clamp_value is None
+                               and not config.glu_linear_offset)
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            if not self._plain_glu or per_token_scale is not None:
+                return super().forward(hidden_states, per_token_scale, **kwargs)
+            intermediate, _ = self.linear_fc1(hidden_states)  # no bias (add_bias_linear off)
+            gate, linear = torch.chunk(intermediate, 2, dim=-1)
+            return self.linear_fc2(self.config.activation_func(gate) * linear)
+
+    return GatedMLP
+
+
+def gated_mlp():
+    """:class:`GatedMLP` (built on first use: megatron is imported lazily)."""
+    global _GATED_MLP
+    if _GATED_MLP is None:
+        _GATED_MLP = _gated_mlp_class()
+    return _GATED_MLP
 
 
 def packed_local_attention():
@@ -109,8 +152,10 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 def local_block_spec(config, vp_stage):
     """This pipeline stage's local layer specs (megatron's block spec: dense and MoE layers
-    where ``config.moe_layer_freq`` puts them) with the packed attention and the norm above."""
+    where ``config.moe_layer_freq`` puts them) with the packed attention, the dense layers'
+    gated MLP and the norm above."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
@@ -119,6 +164,8 @@ def local_block_spec(config, vp_stage):
         layer = layer_spec.submodules
         attention = layer.self_attention.submodules
         attention.core_attention = packed_local_attention()
+        if getattr(layer.mlp, "module", None) is MLP:  # dense layers (MoE layers keep theirs)
+            layer.mlp.module = gated_mlp()
         for owner, field in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
                              (attention, "q_layernorm"), (attention, "k_layernorm")):
             if getattr(owner, field, None) is WrappedTorchNorm:

@@ -14,7 +14,9 @@ CUDA assumptions hold on CPU:
   and last pipeline stage); :data:`_METHODS_USING_TENSOR_CUDA` run with ``Tensor.cuda`` as the
   identity for the duration of the call only.
 * functions that assert CUDA tensor types (gradient clipping) are replaced, in the megatron
-  modules that import them, by CPU versions with the same semantics (:data:`_CPU_FUNCTIONS`).
+  modules that import them, by CPU versions with the same semantics (:data:`_CPU_FUNCTIONS`);
+  so is the rotary embedding, whose per-call costs are a visible share of a small model's
+  step on CPU (:func:`_cpu_rotary_bshd`, the same arithmetic).
 * gloo lacks the reduce-scatter and all-gather-into-tensor collectives that megatron's
   distributed optimizer uses, and the optimizer groups parameters by CUDA type names: the
   collectives are replaced by gloo equivalents in the modules that bind them, and
@@ -156,7 +158,40 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return chunks.view(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
 
 
+_megatron_rotary_bshd = None  # megatron's own, for the cases the CPU version passes on
+_rotary_tables: list = []  # (freqs, mscale, dtype, cos, sin) of the latest frequency tensors
+
+
+def _cpu_rotary_bshd(t, freqs, rotary_interleaved: bool = False,
+                     multi_latent_attention: bool = False, mscale: float = 1.0):
+    """megatron's ``_apply_rotary_pos_emb_bshd`` where the rotation covers the whole head in
+    halves (the models here), with the same arithmetic and without its per-call costs on CPU:
+    megatron takes cos and sin of the frequencies for every query and key of every layer, and
+    concatenates the result with an empty pass-through part (a copy of the whole tensor). The
+    tables are kept for the latest few frequency tensors, which megatron's rotary embedding
+    caches per sequence length, so every layer of a forward pass shares them. Interleaved,
+    multi-latent or partial rotations go to megatron's own function."""
+    if (rotary_interleaved or multi_latent_attention or freqs.shape[-1] != t.shape[-1]
+            or freqs.requires_grad):
+        return _megatron_rotary_bshd(t, freqs, rotary_interleaved, multi_latent_attention,
+                                     mscale)
+    for entry in _rotary_tables:
+        if entry[0] is freqs and entry[1] == mscale and entry[2] == t.dtype:
+            cos, sin = entry[3], entry[4]
+            break
+    else:
+        cos = (torch.cos(freqs) * mscale).to(t.dtype)
+        sin = (torch.sin(freqs) * mscale).to(t.dtype)
+        _rotary_tables.insert(0, (freqs, mscale, t.dtype, cos, sin))
+        del _rotary_tables[4:]
+    first, second = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-second, first), dim=-1) * sin
+
+
 _CPU_FUNCTIONS = (
+    (("megatron.core.models.common.embeddings.rope_utils",
+      "megatron.core.models.common.embeddings.rotary_pos_embedding"),
+     "_apply_rotary_pos_emb_bshd", _cpu_rotary_bshd),
     (("megatron.core.models.common.embeddings.rope_utils",
       "megatron.core.models.common.embeddings.rotary_pos_embedding"),
      "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank),
@@ -215,6 +250,11 @@ def install_megatron_cpu_shim() -> bool:
             method = getattr(cls, method_name)
             if not getattr(method, "_rlep_cpu_shim", False):
                 setattr(cls, method_name, wrap(method))
+    global _megatron_rotary_bshd
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils._apply_rotary_pos_emb_bshd is not _cpu_rotary_bshd:
+        _megatron_rotary_bshd = rope_utils._apply_rotary_pos_emb_bshd
     for module_names, function_name, replacement in _CPU_FUNCTIONS:
         for module_name in module_names:
             module = importlib.import_module(module_name)

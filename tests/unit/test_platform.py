@@ -109,6 +109,50 @@ def test_tensor_cuda_is_identity_only_inside_wrapped_megatron_methods():
         torch.ones(1).cuda()
 
 
+@needs_cpu_only
+def test_cpu_rotary_embedding_equals_the_formula_and_megatrons_own():
+    """The CPU rotary embedding: megatron's arithmetic bit for bit (values and gradients), the
+    rotation formula in float64 within rounding, its cos/sin tables shared by repeated calls
+    on one frequency tensor and not by another, and megatron's own function for a partial
+    rotation."""
+    platform.install_megatron_cpu_shim()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from rlep_megatron.platform import megatron_shim
+
+    ours, megatrons = megatron_shim._cpu_rotary_bshd, megatron_shim._megatron_rotary_bshd
+    assert rope_utils._apply_rotary_pos_emb_bshd is ours and megatrons is not ours
+    generator = torch.Generator().manual_seed(0)
+    t = torch.randn(7, 3, 4, 16, generator=generator, dtype=torch.float64)
+    freqs = torch.randn(7, 1, 1, 16, generator=generator, dtype=torch.float64)
+    half = 8
+    rotated = torch.cat([-t[..., half:], t[..., :half]], -1)
+    for mscale in (1.0, 0.7):
+        formula = t * torch.cos(freqs) * mscale + rotated * torch.sin(freqs) * mscale
+        for dtype in (torch.float32, torch.bfloat16):
+            x, f = t.to(dtype).requires_grad_(), freqs.float()
+            y = x.detach().clone().requires_grad_()
+            out, ref = ours(x, f, mscale=mscale), megatrons(y, f, mscale=mscale)
+            assert torch.equal(out, ref)
+            weights = torch.randn(out.shape, generator=generator).to(dtype)
+            (out * weights).sum().backward()
+            (ref * weights).sum().backward()
+            assert torch.equal(x.grad, y.grad)
+            if dtype == torch.float32:
+                torch.testing.assert_close(out.double(), formula, rtol=0, atol=1e-5)
+    # a second call on the same frequencies reuses the tables; new frequencies get their own
+    ours(t.float(), freqs.float())
+    tables = megatron_shim._rotary_tables[0]
+    assert ours(t.float(), tables[0]) is not None and megatron_shim._rotary_tables[0] is tables
+    other = freqs.float() * 2
+    torch.testing.assert_close(ours(t.float(), other), megatrons(t.float(), other), rtol=0,
+                               atol=0)
+    assert megatron_shim._rotary_tables[0][0] is other
+    # the rotation covers half of each head: megatron's own function
+    partial = freqs[..., :8].float()
+    assert torch.equal(ours(t.float(), partial), megatrons(t.float(), partial))
+
+
 def test_pipeline_sends_are_unbatched_on_gloo(monkeypatch):
     monkeypatch.setattr(platform, "cuda_available", lambda: False)
     assert platform.megatron_config_overrides() == {"batch_p2p_comm": False}
