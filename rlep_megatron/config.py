@@ -387,7 +387,8 @@ class OptimConfig:
     """With the distributed optimizer: gather the updated parameter shards bucket by bucket in
     the next forward pass instead of all at once after the optimizer step (megatron-core's
     ``overlap_param_gather``); the trainer gathers whatever is left before anything reads the
-    weights outside a forward (weight sync, checkpoints). Same weights either way."""
+    weights outside a forward (weight sync, checkpoints). Same weights either way. Without
+    data-parallel replicas there is nothing to gather and it is off."""
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """With bfloat16 parameters, the dtype of the gradient buffers and of their data-parallel
     reduction. ``float32`` (the default): sums without rounding to 8 bits, twice the buffer
