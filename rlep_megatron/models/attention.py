@@ -36,9 +36,11 @@ def _local_attention_class():
         def _fused(self, query, key, value):
             """``[s, b, heads, dim]`` (keys/values with their query groups) -> ``[s, b, h]``.
             With grouped keys/values (GQA), torch's CPU kernel takes the groups as they are
-            (``enable_gqa``); elsewhere each group is repeated for its queries first, since
-            which CUDA backends of torch's attention accept grouped heads depends on the torch
-            version, and a refusing one would fall back to the slow math path."""
+            (``enable_gqa``: the same outputs; in bf16 the keys' and values' gradients can
+            differ in the last bit, a group's being summed before rounding); elsewhere each
+            group is repeated for its queries first, since which CUDA backends of torch's
+            attention accept grouped heads depends on the torch version, and a refusing one
+            would fall back to the slow math path."""
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             repeat = q.shape[1] // k.shape[1]
             grouped = repeat > 1 and q.device.type == "cpu"
@@ -101,32 +103,39 @@ def _gated_mlp_class():
         computed as ``act(gate) * linear``: megatron's own adds ``config.glu_linear_offset``
         to the linear half as a separate elementwise pass even when it is 0 (one read and
         write of the widest activation per layer and micro-batch, a few percent of a small
-        model's step on CPU). Any other setting runs megatron's forward unchanged."""
-
-        def __init__(self, config, *args, **kwargs):
-            super().__init__(config, *args, **kwargs)
-            self._plain_glu = (config.gated_linear_unit and not config.add_bias_linear
-                               and not config.bias_activation_fusion
-                               and not config.use_te_activation_func
-                               and config.activation_func_clamp_value is None
-                               and not config.glu_linear_offset)
+        model's step on CPU). Any other setting runs megatron's forward unchanged. Built
+        models get it by :func:`use_gated_mlp` (megatron's layer passes its process groups to
+        the ``MLP`` class only, so the spec keeps that)."""
 
         def forward(self, hidden_states, per_token_scale=None, **kwargs):
-            if not self._plain_glu or per_token_scale is not None:
+            config = self.config
+            if (per_token_scale is not None or not config.gated_linear_unit
+                    or config.add_bias_linear or config.bias_activation_fusion
+                    or config.use_te_activation_func or config.glu_linear_offset
+                    or config.activation_func_clamp_value is not None):
                 return super().forward(hidden_states, per_token_scale, **kwargs)
             intermediate, _ = self.linear_fc1(hidden_states)  # no bias (add_bias_linear off)
             gate, linear = torch.chunk(intermediate, 2, dim=-1)
-            return self.linear_fc2(self.config.activation_func(gate) * linear)
+            return self.linear_fc2(config.activation_func(gate) * linear)
 
     return GatedMLP
 
 
-def gated_mlp():
-    """:class:`GatedMLP` (built on first use: megatron is imported lazily)."""
+def use_gated_mlp(model: torch.nn.Module) -> int:
+    """Give every dense transformer layer's MLP of a built model (megatron's ``MLP`` exactly;
+    mixture-of-experts layers and their experts are left alone) :class:`GatedMLP`'s forward.
+    Returns the number of layers changed."""
+    from megatron.core.transformer.mlp import MLP
+
     global _GATED_MLP
     if _GATED_MLP is None:
         _GATED_MLP = _gated_mlp_class()
-    return _GATED_MLP
+    changed = 0
+    for layer in getattr(getattr(model, "decoder", None), "layers", []):
+        if type(getattr(layer, "mlp", None)) is MLP:
+            layer.mlp.__class__ = _GATED_MLP
+            changed += 1
+    return changed
 
 
 def packed_local_attention():
@@ -152,10 +161,9 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 def local_block_spec(config, vp_stage):
     """This pipeline stage's local layer specs (megatron's block spec: dense and MoE layers
-    where ``config.moe_layer_freq`` puts them) with the packed attention, the dense layers'
-    gated MLP and the norm above."""
+    where ``config.moe_layer_freq`` puts them) with the packed attention and the norm above
+    (the built model's dense MLPs then take :func:`use_gated_mlp`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
@@ -164,8 +172,6 @@ def local_block_spec(config, vp_stage):
         layer = layer_spec.submodules
         attention = layer.self_attention.submodules
         attention.core_attention = packed_local_attention()
-        if getattr(layer.mlp, "module", None) is MLP:  # dense layers (MoE layers keep theirs)
-            layer.mlp.module = gated_mlp()
         for owner, field in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
                              (attention, "q_layernorm"), (attention, "k_layernorm")):
             if getattr(owner, field, None) is WrappedTorchNorm:

@@ -165,6 +165,9 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
                 share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings")),
                 position_embedding_type="rope", vp_stage=stage, **arch.model_kwargs(hf_config))
+        if not use_te:
+            from rlep_megatron.models.attention import use_gated_mlp
+            use_gated_mlp(chunk)
         _params_to_dtype(chunk, params_dtype)
         chunks.append(chunk if on_meta_device else chunk.to(device))
     info = ActorModelInfo(hf_config=hf_config, dims=dims, padded_vocab_size=padded,

@@ -159,31 +159,46 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 
 
 _megatron_rotary_bshd = None  # megatron's own, for the cases the CPU version passes on
-_rotary_tables: list = []  # (freqs, mscale, dtype, cos, sin) of the latest frequency tensors
+_rotary_tables: list = []  # (freqs, version, mscale, dtype, cos, sin), newest first
+_rotary_last_seen: list = [None]  # the latest frequency tensor without tables
+
+
+def _rotary_cos_sin(freqs, mscale: float, dtype):
+    """cos and sin of ``freqs`` times ``mscale`` in ``dtype``, as megatron computes them; kept
+    for a frequency tensor seen more than once (unpacked batches: megatron's rotary embedding
+    caches one per sequence length, shared by every layer's queries and keys), the latest
+    four. Packed batches get a new tensor per call and are not kept. Nothing is kept under
+    inference mode (its tensors cannot be saved for a later backward)."""
+    def tables():
+        return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+
+    if torch.is_inference_mode_enabled() or freqs.is_inference():
+        return tables()
+    key = (freqs._version, mscale, dtype)
+    for entry in _rotary_tables:
+        if entry[0] is freqs and entry[1:4] == key:
+            return entry[4], entry[5]
+    cos, sin = tables()
+    if _rotary_last_seen[0] is freqs:
+        _rotary_tables.insert(0, (freqs, *key, cos, sin))
+        del _rotary_tables[4:]
+    _rotary_last_seen[0] = freqs
+    return cos, sin
 
 
 def _cpu_rotary_bshd(t, freqs, rotary_interleaved: bool = False,
                      multi_latent_attention: bool = False, mscale: float = 1.0):
     """megatron's ``_apply_rotary_pos_emb_bshd`` where the rotation covers the whole head in
     halves (the models here), with the same arithmetic and without its per-call costs on CPU:
-    megatron takes cos and sin of the frequencies for every query and key of every layer, and
-    concatenates the result with an empty pass-through part (a copy of the whole tensor). The
-    tables are kept for the latest few frequency tensors, which megatron's rotary embedding
-    caches per sequence length, so every layer of a forward pass shares them. Interleaved,
-    multi-latent or partial rotations go to megatron's own function."""
+    megatron takes cos and sin of the frequencies for every query and key of every layer
+    (:func:`_rotary_cos_sin` keeps them) and concatenates the result with an empty
+    pass-through part (a copy of the whole tensor). Interleaved, multi-latent or partial
+    rotations go to megatron's own function."""
     if (rotary_interleaved or multi_latent_attention or freqs.shape[-1] != t.shape[-1]
             or freqs.requires_grad):
         return _megatron_rotary_bshd(t, freqs, rotary_interleaved, multi_latent_attention,
                                      mscale)
-    for entry in _rotary_tables:
-        if entry[0] is freqs and entry[1] == mscale and entry[2] == t.dtype:
-            cos, sin = entry[3], entry[4]
-            break
-    else:
-        cos = (torch.cos(freqs) * mscale).to(t.dtype)
-        sin = (torch.sin(freqs) * mscale).to(t.dtype)
-        _rotary_tables.insert(0, (freqs, mscale, t.dtype, cos, sin))
-        del _rotary_tables[4:]
+    cos, sin = _rotary_cos_sin(freqs, mscale, t.dtype)
     first, second = torch.chunk(t, 2, dim=-1)
     return t * cos + torch.cat((-second, first), dim=-1) * sin
 

@@ -112,9 +112,8 @@ def test_tensor_cuda_is_identity_only_inside_wrapped_megatron_methods():
 @needs_cpu_only
 def test_cpu_rotary_embedding_equals_the_formula_and_megatrons_own():
     """The CPU rotary embedding: megatron's arithmetic bit for bit (values and gradients), the
-    rotation formula in float64 within rounding, its cos/sin tables shared by repeated calls
-    on one frequency tensor and not by another, and megatron's own function for a partial
-    rotation."""
+    rotation formula in float64 within rounding, its cos/sin tables kept only where they are
+    reused and never stale, and megatron's own function for a partial rotation."""
     platform.install_megatron_cpu_shim()
     from megatron.core.models.common.embeddings import rope_utils
 
@@ -140,14 +139,28 @@ def test_cpu_rotary_embedding_equals_the_formula_and_megatrons_own():
             assert torch.equal(x.grad, y.grad)
             if dtype == torch.float32:
                 torch.testing.assert_close(out.double(), formula, rtol=0, atol=1e-5)
-    # a second call on the same frequencies reuses the tables; new frequencies get their own
-    ours(t.float(), freqs.float())
-    tables = megatron_shim._rotary_tables[0]
-    assert ours(t.float(), tables[0]) is not None and megatron_shim._rotary_tables[0] is tables
-    other = freqs.float() * 2
-    torch.testing.assert_close(ours(t.float(), other), megatrons(t.float(), other), rtol=0,
-                               atol=0)
-    assert megatron_shim._rotary_tables[0][0] is other
+    # tables are kept for frequencies seen twice (every layer of an unpacked batch), and
+    # recomputed when those change in place; a new tensor per call (packed batches) or a call
+    # under inference mode leaves nothing behind
+    megatron_shim._rotary_tables.clear()
+    f = freqs.float()
+    ours(t.float(), f)
+    assert not megatron_shim._rotary_tables
+    ours(t.float(), f)
+    entry = megatron_shim._rotary_tables[0]
+    assert entry[0] is f
+    assert megatron_shim._rotary_cos_sin(f, 1.0, torch.float32)[0] is entry[4]
+    f.mul_(2)
+    assert torch.equal(ours(t.float(), f), megatrons(t.float(), f))
+    assert megatron_shim._rotary_cos_sin(f, 1.0, torch.float32)[0] is not entry[4]
+    megatron_shim._rotary_tables.clear()
+    for _ in range(3):
+        ours(t.float(), freqs.float())
+    with torch.inference_mode():
+        g = freqs.float()
+        ours(t.float(), g)
+        ours(t.float(), g)
+    assert not megatron_shim._rotary_tables
     # the rotation covers half of each head: megatron's own function
     partial = freqs[..., :8].float()
     assert torch.equal(ours(t.float(), partial), megatrons(t.float(), partial))
