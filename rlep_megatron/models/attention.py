@@ -121,21 +121,17 @@ def _gated_mlp_class():
     return GatedMLP
 
 
-def use_gated_mlp(model: torch.nn.Module) -> int:
+def use_gated_mlp(model: torch.nn.Module) -> None:
     """Give every dense transformer layer's MLP of a built model (megatron's ``MLP`` exactly;
-    mixture-of-experts layers and their experts are left alone) :class:`GatedMLP`'s forward.
-    Returns the number of layers changed."""
+    mixture-of-experts layers and their experts are left alone) :class:`GatedMLP`'s forward."""
     from megatron.core.transformer.mlp import MLP
 
     global _GATED_MLP
     if _GATED_MLP is None:
         _GATED_MLP = _gated_mlp_class()
-    changed = 0
     for layer in getattr(getattr(model, "decoder", None), "layers", []):
         if type(getattr(layer, "mlp", None)) is MLP:
             layer.mlp.__class__ = _GATED_MLP
-            changed += 1
-    return changed
 
 
 def packed_local_attention():

@@ -88,3 +88,21 @@ def extra_state_is_reconciled(hf_dir: str, work: str, out: str) -> None:
     with open(out, "w") as f:
         json.dump(result, f)
     distributed.destroy()
+
+
+def local_spec_mlp_and_overlap(hf_dir: str, tp: int, out: str) -> None:
+    """The local spec's dense MLPs after the build, and whether the DDP wrapper kept the
+    requested parameter-gather overlap (on only with data-parallel replicas)."""
+    from rlep_megatron.actor.model import build_from_hf
+    from rlep_megatron.actor.optimizer import wrap_ddp
+
+    distributed.init_model_parallel(ParallelConfig(tensor_model_parallel_size=tp), seed=0)
+    chunks, _ = build_from_hf(hf_dir, "float32")
+    mlps = sorted({type(layer.mlp).__name__ for layer in chunks[0].decoder.layers})
+    chunks = wrap_ddp(chunks, True, overlap_grad_reduce=True, overlap_param_gather=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump({"mlps": mlps,
+                       "overlap_param_gather": chunks[0].ddp_config.overlap_param_gather,
+                       "overlap_grad_reduce": chunks[0].ddp_config.overlap_grad_reduce}, f)
+    distributed.destroy()
