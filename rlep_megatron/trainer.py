@@ -156,7 +156,7 @@ class Trainer:
             if not os.path.isdir(cfg.model.mcore_dir):
                 raise FileNotFoundError(f"model.mcore_dir={cfg.model.mcore_dir!r} does not exist")
             if os.path.isfile(os.path.join(cfg.model.mcore_dir, "meta.json")):
-                from rlep_megatron.checkpoint.resume import check_checkpoint_model
+                from rlep_megatron.checkpoint.dist import check_checkpoint_model
 
                 check_checkpoint_model(cfg.model.mcore_dir, self.hf_config)
         # data, pool and checkpoint checks before any expensive set-up

@@ -217,12 +217,17 @@ def schedule_seq_length(longest: int, model: torch.nn.Module) -> int:
     return -(-longest // multiple) * multiple
 
 
-def padded_places(rows: list[int], num_rows: int, lengths: torch.Tensor, width: int) -> dict:
-    """Routing places (:func:`rlep_megatron.actor.routing.token_places`) of a padded
-    micro-batch of ``rows`` (their first ``lengths[row]`` tokens), ``num_rows`` x ``width``:
-    rows past ``len(rows)`` and columns past a row's length are no one's."""
-    from rlep_megatron.actor.routing import token_places
+def token_places(rows: torch.Tensor, columns: torch.Tensor) -> dict:
+    """The ``{"route_rows", "route_cols"}`` micro-batch entries that
+    :func:`rlep_megatron.actor.routing.note_micro_batch` reads, both ``[b, s]`` (-1: no
+    token)."""
+    return {"route_rows": rows, "route_cols": torch.where(rows >= 0, columns, -1)}
 
+
+def padded_places(rows: list[int], num_rows: int, lengths: torch.Tensor, width: int) -> dict:
+    """Routing places (:func:`token_places`) of a padded micro-batch of ``rows`` (their first
+    ``lengths[row]`` tokens), ``num_rows`` x ``width``: rows past ``len(rows)`` and columns
+    past a row's length are no one's."""
     owners = torch.full((num_rows, width), -1, dtype=torch.long)
     for i, row in enumerate(rows):
         owners[i, :min(int(lengths[row]), width)] = row
@@ -232,8 +237,6 @@ def padded_places(rows: list[int], num_rows: int, lengths: torch.Tensor, width: 
 def packed_places(batch: dict, rows: list[int]) -> dict:
     """Routing places of a :func:`packed_micro_batch` of ``rows`` (a filler sequence is no
     one's)."""
-    from rlep_megatron.actor.routing import token_places
-
     bounds = batch["cu_seqlens"].to(torch.long)
     width = batch["input_ids"].shape[1]
     segment = torch.searchsorted(bounds[1:], torch.arange(width), right=True)

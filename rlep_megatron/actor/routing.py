@@ -63,11 +63,6 @@ def router_order(values: torch.Tensor, config, fill: int,
     return columns.reshape(-1)
 
 
-def token_places(rows: torch.Tensor, columns: torch.Tensor) -> dict:
-    """``{"route_rows", "route_cols"}`` micro-batch entries, both ``[b, s]`` (-1: no token)."""
-    return {"route_rows": rows, "route_cols": torch.where(rows >= 0, columns, -1)}
-
-
 def note_micro_batch(batch: dict, config) -> None:
     """Called before each forward pass with the micro-batch (its ``route_rows`` /
     ``route_cols``); no-op unless an expert count or a routing replay is active."""

@@ -1,13 +1,41 @@
 """The model part of megatron-core dist checkpoints: this rank's sharded state, loading it back
 (a converted checkpoint or a training checkpoint's model, at any saved layout) and the
-TransformerEngine extra state a local-spec checkpoint lacks."""
+TransformerEngine extra state a local-spec checkpoint lacks; the check that a training
+checkpoint was saved for the model being built."""
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional
 
 import torch
 
 from rlep_megatron.models.megatron import unwrap
+
+_FINGERPRINT_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "vocab_size",
+                     "tie_word_embeddings")
+
+
+def model_fingerprint(hf_config: dict) -> dict:
+    """The shape-defining fields of an HF config: checkpoints of another model are refused."""
+    return {key: hf_config.get(key) for key in _FINGERPRINT_KEYS}
+
+
+def check_checkpoint_model(path: str, hf_config: dict) -> dict:
+    """A training checkpoint's meta.json, after checking that it was saved for the model of
+    ``hf_config`` (``model.hf_dir``); the error names the fields that differ. The one
+    fingerprint check of a training checkpoint."""
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    ours, theirs = model_fingerprint(hf_config), meta.get("model") or {}
+    if theirs != ours:
+        diff = {k: theirs.get(k) for k in ours if theirs.get(k) != ours[k]}
+        raise ValueError(
+            f"checkpoint {path} is of another model than model.hf_dir (differs in "
+            f"{sorted(diff)}: {diff} vs { {k: ours[k] for k in diff} })")
+    return meta
+
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
     """Sharded state of this rank's chunks for ``dist_checkpointing`` (``model0``, ``model1``,
@@ -70,8 +98,6 @@ def load_model_state_dict(chunks: list[torch.nn.Module], state: dict) -> None:
 def resolve_mcore_dir(mcore_dir: str) -> str:
     """A dist checkpoint directory; a training checkpoint (``checkpoints/step_XXXXXXXX``, whose
     weights are in ``dist/``) is accepted as well."""
-    import os
-
     if os.path.isfile(os.path.join(mcore_dir, "meta.json")) and os.path.isfile(
             os.path.join(mcore_dir, "dist", "metadata.json")):
         return os.path.join(mcore_dir, "dist")
@@ -85,8 +111,6 @@ def load_mcore_weights(chunks: list[torch.nn.Module], path: str,
     with ``hf_config`` its recorded model is checked against it first). The one loader of
     model weights from a dist checkpoint (training start, ``rlep collect``/``eval``, the
     conversion check)."""
-    import os
-
     from megatron.core import dist_checkpointing
 
     directory = resolve_mcore_dir(path)
@@ -97,8 +121,6 @@ def load_mcore_weights(chunks: list[torch.nn.Module], path: str,
     # same nesting so its common (non-tensor) optimizer entries stay out of the model's dict
     training = directory != path
     if training and hf_config is not None:
-        from rlep_megatron.checkpoint.resume import check_checkpoint_model
-
         check_checkpoint_model(path, hf_config)
     request = drop_unsaved_extra_state(model_sharded_state_dict(chunks), directory)
     state = dist_checkpointing.load({"model": request} if training else request, directory)

@@ -35,38 +35,14 @@ import torch
 import yaml
 
 from rlep_megatron import distributed
+from rlep_megatron.checkpoint.dist import check_checkpoint_model, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
-_FINGERPRINT_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "intermediate_size", "vocab_size",
-                     "tie_word_embeddings")
-
-
-def model_fingerprint(hf_config: dict) -> dict:
-    """The shape-defining fields of an HF config: checkpoints of another model are refused."""
-    return {key: hf_config.get(key) for key in _FINGERPRINT_KEYS}
-
-
 def layer_spec_name(use_te: bool) -> str:
     """How ``meta.json`` names the actor's layer spec."""
     return "transformer_engine" if use_te else "local"
-
-
-def check_checkpoint_model(path: str, hf_config: dict) -> dict:
-    """A training checkpoint's meta.json, after checking that it was saved for the model of
-    ``hf_config`` (``model.hf_dir``); the error names the fields that differ. The one
-    fingerprint check of a training checkpoint."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    ours, theirs = model_fingerprint(hf_config), meta.get("model") or {}
-    if theirs != ours:
-        diff = {k: theirs.get(k) for k in ours if theirs.get(k) != ours[k]}
-        raise ValueError(
-            f"checkpoint {path} is of another model than model.hf_dir (differs in "
-            f"{sorted(diff)}: {diff} vs { {k: ours[k] for k in diff} })")
-    return meta
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:

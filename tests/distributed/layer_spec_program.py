@@ -16,13 +16,13 @@ def meta_skeleton_on_a_gpu_node(hf_dir: str, out: str) -> None:
     from rlep_megatron.checkpoint.hf_io import load_hf_config
 
     distributed.init_model_parallel(ParallelConfig(), seed=0)
-    platform.cuda_available = lambda: True  # a GPU node, faked after gloo is up
+    platform.probe.cuda_available = lambda: True  # a GPU node, faked after gloo is up
 
     def no_gpu(*args, **kwargs):
         raise AssertionError("the skeleton asked for a CUDA device")
 
     torch.cuda.current_device = no_gpu
-    platform.transformer_engine_status = no_gpu  # the skeleton must not depend on TE
+    platform.probe.transformer_engine_status = no_gpu  # the skeleton must not depend on TE
     chunks, info = build_model(load_hf_config(hf_dir), torch.bfloat16, on_meta_device=True)
     devices = sorted({p.device.type for c in chunks for p in c.parameters()})
     with open(out, "w") as f:

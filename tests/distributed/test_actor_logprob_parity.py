@@ -52,7 +52,8 @@ def case(case_id: str, nproc: int, arch: str, args: list[str]) -> str:
                                                                      (2, 2))]
     + [("qwen2", 1, 2, 2), ("llama", 1, 1, None), ("llama", 2, 2, None)]
     # Qwen3: q/k norms over heads split by TP, head_dim != hidden / heads
-    + [("qwen3", 1, 1, None), ("qwen3", 2, 2, None)]])
+    + [("qwen3", 1, 1, None), ("qwen3", 2, 1, None), ("qwen3", 1, 2, None),
+       ("qwen3", 2, 2, None)]])
 def test_logprobs_match_transformers(case_id, request):
     check_against_transformers(case_id, request)
 
@@ -61,11 +62,18 @@ def test_logprobs_match_transformers(case_id, request):
 # by all-to-all), over TP ranks with sequence parallelism (which megatron's MoE layer needs at
 # TP > 1), both on 4 ranks, and over pipeline stages; packed (THD) and padded batches.
 # Sequence parallelism on the dense Qwen2 (TP2, packed).
-@pytest.mark.parametrize("case_id", [case(*spec) for spec in [
+SPLIT_CASES = [case(*spec) for spec in [
     ("moe-ep1", 1, "qwen3_moe", []),
+    ("moe-ep1-packed", 1, "qwen3_moe", ["--pack-max-tokens", "64"]),
+    ("moe-ep2", 2, "qwen3_moe", ["--ep", "2"]),
     ("moe-ep2-packed", 2, "qwen3_moe", ["--ep", "2", "--pack-max-tokens", "64"]),
     ("moe-tp2-ep2-sp", 4, "qwen3_moe", ["--tp", "2", "--ep", "2", "--sp"]),
+    ("moe-tp2-ep2-sp-packed", 4, "qwen3_moe",
+     ["--tp", "2", "--ep", "2", "--sp", "--pack-max-tokens", "64"]),
+    ("moe-pp2", 2, "qwen3_moe", ["--pp", "2"]),
     ("moe-pp2-ep2-packed", 4, "qwen3_moe", ["--pp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
+    # Qwen3 dense packed, without context parallelism
+    ("qwen3-tp2-pp2-packed", 4, "qwen3", ["--tp", "2", "--pp", "2", "--pack-max-tokens", "64"]),
     # experts with context parallelism: each CP rank routes its chunks of every sequence
     ("moe-cp2-ep2", 2, "qwen3_moe", ["--cp", "2", "--ep", "2"]),
     ("moe-cp2-ep2-packed", 2, "qwen3_moe", ["--cp", "2", "--ep", "2", "--pack-max-tokens", "64"]),
@@ -77,15 +85,18 @@ def test_logprobs_match_transformers(case_id, request):
     ("moe-cp2-ep4", 4, "qwen3_moe", ["--cp", "2", "--ep", "4"]),
     ("qwen2-tp2-sp-packed", 2, "qwen2", ["--tp", "2", "--sp", "--pack-max-tokens", "64"]),
     ("qwen2-tp2-sp", 2, "qwen2", ["--tp", "2", "--sp"]),
-    # context parallelism: every sequence (lengths 26, 55, 1, 66: odd, and one shorter than
-    # 2 x CP) split in 2 x CP chunks over the CP ranks; padded and packed; with TP (+ SP), PP
+    # context parallelism: every sequence (lengths 26, 55, 1, 66, 3: odd, and two shorter than
+    # 2 x CP, one of them with scored tokens) split in 2 x CP chunks over the CP ranks; padded and packed; with TP (+ SP), PP
     ("qwen2-cp2", 2, "qwen2", ["--cp", "2"]),
     ("qwen2-cp2-packed", 2, "qwen2", ["--cp", "2", "--pack-max-tokens", "64"]),
     ("qwen2-cp2-tp2", 4, "qwen2", ["--cp", "2", "--tp", "2"]),
     ("qwen2-cp2-tp2-sp-packed", 4, "qwen2",
      ["--cp", "2", "--tp", "2", "--sp", "--pack-max-tokens", "64"]),
     ("qwen3-cp2-pp2-packed", 4, "qwen3", ["--cp", "2", "--pp", "2", "--pack-max-tokens", "64"]),
-]])
+]]
+
+
+@pytest.mark.parametrize("case_id", SPLIT_CASES)
 def test_expert_and_sequence_parallel_logprobs_match_transformers(case_id, request):
     arch = CASES.cases[case_id][1]
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
@@ -95,6 +106,27 @@ def test_expert_and_sequence_parallel_logprobs_match_transformers(case_id, reque
         # real tokens: its router logits' top-2 per token, counted per layer and expert
         assert torch.equal(result["expert_counts"], hf_expert_counts(
             hf_dir, result["input_ids"], result["lengths"]))
+
+
+# the unsplit layout of each model: one rank, padded
+UNSPLIT = {"qwen2": "qwen2-tp1-pp1", "qwen3": "qwen3-tp1-pp1", "qwen3_moe": "moe-ep1"}
+
+
+@pytest.mark.parametrize("case_id", [c for c in SPLIT_CASES if c not in UNSPLIT.values()])
+def test_split_layouts_match_the_unsplit_one(case_id, request):
+    """Each expert-, sequence- or context-parallel layout against the same model on one rank,
+    directly (the test above holds each against transformers): log-probs and entropy within
+    1e-5 on every real token."""
+    result = CASES.result(case_id, request)
+    unsplit = CASES.result(UNSPLIT[CASES.cases[case_id][1]], request)
+    assert torch.equal(result["input_ids"], unsplit["input_ids"])
+    lengths = result["lengths"]
+    diff = max_abs_logprob_diff(result["logp"], unsplit["logp"].double(), lengths)
+    assert diff <= 1e-5, f"max |delta logprob| = {diff}"
+    valid = torch.arange(lengths.max())[None, :] < lengths[:, None]
+    valid[:, 0] = False  # no prediction for the first token
+    entropy = (result["entropy"] - unsplit["entropy"]).abs()[:, :valid.shape[1]][valid]
+    assert entropy.max() <= 1e-5, f"max |delta entropy| = {entropy.max()}"
 
 
 @pytest.mark.parametrize("case_id", [

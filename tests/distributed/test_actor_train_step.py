@@ -109,14 +109,18 @@ def test_train_step_parity_across_layouts_and_against_transformers(arch, request
     # 1e-10 (summation order); Adam's step amplifies it by lr / eps: 1e-7 here (measured
     # <= 6.3e-7 on Qwen2; on Qwen3 1.6e-6 with the full logits and, with the log-probs from
     # chunked logits and their analytic gradient, one element of the whole model at 2.07e-6),
-    # 1e-5 at eps = 1e-8 (measured on a few elements near zero gradient). Every tensor: max
-    # <= 1e-5 and at most 1 in 1000 elements above 2e-6 (the weight decay alone moves an
-    # element by 2e-5).
+    # 1e-5 at eps = 1e-8 (measured on a few elements near zero gradient). Qwen2 and Llama:
+    # every element within 2e-6 (the criterion these two models had before Qwen3 came);
+    # Qwen3: every tensor's max <= 1e-5 and at most 1 in 1000 elements above 2e-6 (the
+    # weight decay alone moves an element by 2e-5).
     realistic = train(request, arch, 1, 1, 1, *REALISTIC)
     reference, reference_loss = reference_step(hf_dir, realistic["old_logp"], eps=1e-6,
                                                weight_decay=1.0)
     assert realistic["metrics"]["pg_loss"] == pytest.approx(reference_loss, abs=1e-5)
     for name, tensor in realistic["weights"].items():
+        if arch in ("qwen2", "llama"):
+            torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-6, msg=name)
+            continue
         diff = (tensor - reference[name]).abs()
         assert diff.max() <= 1e-5 and (diff > 2e-6).float().mean() <= 1e-3, \
             f"{name}: max {diff.max():.2e}, {(diff > 2e-6).sum()} elements above 2e-6"

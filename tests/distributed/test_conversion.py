@@ -76,6 +76,57 @@ def test_round_trip_is_bit_exact_single_and_sharded(arch, request, tmp_path):
     assert_bit_exact(hf_dir, tmp_path / "back2")
 
 
+def transformers_made(arch: str, out_dir, seed: int = 7) -> str:
+    """A checkpoint as transformers itself writes one: its own config class with its defaults,
+    its own random initialisation, bfloat16 weights and ``save_pretrained``'s files as they
+    are. Shapes unlike the project's tiny maker: a tied Qwen3 head, ``head_dim`` 24 with hidden
+    96 and 6 heads; a MoE whose middle layer is dense (``mlp_only_layers``) with gates that
+    are not renormalised (``norm_topk_prob=false``)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    from rlep_megatron.tiny_model import build_tokenizer
+
+    common = dict(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=24,
+                  max_position_embeddings=256)
+    if arch == "qwen3":
+        config = Qwen3Config(tie_word_embeddings=True, **common)
+    else:
+        config = Qwen3MoeConfig(tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
+                                moe_intermediate_size=48, mlp_only_layers=[1],
+                                norm_topk_prob=False, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return str(out_dir)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_checkpoint_made_by_transformers_round_trips_and_verifies(arch, tmp_path):
+    """HF -> megatron -> HF bit for bit on a transformers-made checkpoint (not the project's
+    maker), then the converted checkpoint checked against transformers with the model split
+    (Qwen3 over TP2, the MoE's experts over EP2); another checkpoint's weights fail."""
+    hf_dir = transformers_made(arch, tmp_path / "hf")
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    proc = tool("tools/convert_hf_to_mcore.py", "--hf-dir", hf_dir, "--out-dir", str(mcore))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = tool("tools/convert_mcore_to_hf.py", "--mcore-dir", str(mcore), "--out-dir", str(back))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_bit_exact(hf_dir, back)
+    assert hf_tensors(back)["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert json.load(open(back / "config.json")) == json.load(open(os.path.join(hf_dir,
+                                                                                "config.json")))
+    split = ["--tp", "2"] if arch == "qwen3" else ["--ep", "2"]
+    proc = run_torchrun("tools/verify_conversion.py", 2,
+                        ["--hf-dir", hf_dir, "--mcore-dir", str(mcore), *split])
+    assert "OK" in proc.stdout, proc.stdout
+    other = transformers_made(arch, tmp_path / "other", seed=8)
+    with pytest.raises(AssertionError, match="FAIL"):
+        run_torchrun("tools/verify_conversion.py", 2,
+                     ["--hf-dir", other, "--mcore-dir", str(mcore), *split])
+
+
 def test_converted_checkpoint_verifies_at_another_layout(tiny_qwen2_dir, tmp_path):
     mcore = str(tmp_path / "mcore")
     assert tool("tools/convert_hf_to_mcore.py", "--hf-dir", tiny_qwen2_dir,

@@ -49,6 +49,8 @@ def read_json(path: str):
 MEMORY = Cases("tests/distributed/memory_program.py", "memory_cases", placeholders=model_dirs,
                load=read_json)
 LAYOUTS = [
+    ("qwen2", 1, 1, 1, 1, 1),   # one rank, tied embeddings
+    ("qwen3_moe", 1, 1, 1, 1, 1),  # one rank, every expert on it
     ("qwen2", 2, 2, 1, 1, 1),   # TP2, tied embeddings
     ("qwen2", 2, 1, 2, 1, 1),   # PP2: the last stage's own copy of the tied output weight
     ("qwen3", 4, 1, 2, 1, 1),   # PP2 x DP2: the optimizer state sharded over DP
@@ -184,6 +186,46 @@ def test_plan_of_the_recipes(recipe, shape, gpus, total, non_embedding):
                           "trainer.micro_batch_max_tokens=32768", extra=extra)
         assert not tight["fits"] and tight["peak_train_gib"] > 80
         assert any("recompute_activations" in advice for advice in tight["advice"])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_step_flops_match_a_count_of_the_transformers_forward(arch, request):
+    """The planner's FLOPs of one full-length forward (its rollout figure for one sequence)
+    against torch's FLOP counter on transformers' own forward (eager attention, the MoE's
+    per-expert loop over the tokens routed to it) at two lengths, which separate the part
+    linear in the length (2 x the parameters a token passes through, the output layer
+    included) from the quadratic one (attention: the counter sees the full score matrix, the
+    planner counts its causal half)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    # eager experts: the counter does not see the grouped GEMM transformers uses by default
+    experts = {"experts_implementation": "eager"} if arch == "qwen3_moe" else {}
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
+                                                 dtype=torch.float32,
+                                                 attn_implementation="eager", **experts)
+    ours, counted = {}, {}
+    for length in (64, 192):
+        planned = rlep_plan(os.path.join(hf_dir, "config.json"), 1,
+                            "data.train_batch_size=1", "rollout.num_samples_per_prompt=1",
+                            f"data.max_prompt_tokens={length // 2}",
+                            f"rollout.max_response_tokens={length // 2}")
+        ours[length] = planned["flops_per_step"]["rollout"]
+        tokens = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(tokens)
+        counted[length] = counter.get_total_flops()
+
+    def split(flops):  # a L + b L^2 at the two lengths -> (a, b)
+        b = (flops[192] / 192 - flops[64] / 64) / (192 - 64)
+        return flops[64] / 64 - b * 64, b
+
+    (ours_linear, ours_square), (counted_linear, counted_square) = split(ours), split(counted)
+    # the planner's 2 N also counts norm weights and biases, which are no matrix products
+    assert ours_linear == pytest.approx(counted_linear, rel=0.01)
+    assert ours_square == pytest.approx(counted_square / 2, rel=1e-6)
 
 
 def test_plan_refuses_bad_input(tiny_qwen2_dir):

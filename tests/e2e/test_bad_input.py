@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlep_megatron.checkpoint.resume import model_fingerprint
+from rlep_megatron.checkpoint.dist import model_fingerprint
 from rlep_megatron.data.schema import read_prompt_file
 from rlep_megatron.replay.writer import pool_rows, write_pool
 from rlep_megatron.tiny_task import make_tiny_task

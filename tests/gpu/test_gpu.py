@@ -221,3 +221,4 @@ def test_engine_routing_is_captured_and_replayed_on_the_gpu(tiny_qwen3_moe_dir, 
     assert routing["own"]["mismatch_frac"] <= 0.01, routing
     assert routing["shifted"]["mismatch_frac"] > 0.3, routing
     assert routing["followed"]["engine_experts_used"], routing
+    assert not routing["misaligned"]["engine_experts_used"], routing

@@ -89,6 +89,61 @@ def test_no_import_cycle_between_subpackages():
         assert cycle_from(start, start, [start]) is None, cycle_from(start, start, [start])
 
 
+def module_imports() -> dict[str, set[str]]:
+    """Every module of the package -> the modules of the package it imports, at module level
+    or inside a function (``from P import name`` counts as an import of the module ``P.name``
+    when there is one, else of ``P``). The parent packages Python runs first are not counted:
+    the module does not name them."""
+    import ast
+    import os
+
+    import rlep_megatron
+
+    root = os.path.dirname(os.path.dirname(rlep_megatron.__file__))
+    modules = {}
+    for directory, _, files in os.walk(os.path.join(root, "rlep_megatron")):
+        for name in files:
+            if name.endswith(".py"):
+                parts = os.path.relpath(os.path.join(directory, name), root)[:-3].split(os.sep)
+                modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = \
+                    os.path.join(directory, name)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets = graph.setdefault(module, set())
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{module}: relative import"
+                if node.module in modules:
+                    targets.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in
+                                   modules else node.module for a in node.names)
+        targets.discard(module)
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No cycle among the package's modules, however indirect (the subpackage test above
+    allows cycles inside one subpackage; this one does not)."""
+    graph = module_imports()
+    assert "rlep_megatron.checkpoint.dist" in graph["rlep_megatron.checkpoint.resume"]
+    state: dict[str, str] = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(
+                    path[path.index(target):] + [target]))
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
 def test_the_cli_module_imports_no_torch():
     """``spawn`` children (the reward scorer's worker processes, up to 16 per rank in the GPU
     recipes) import the parent's main module again: ``rlep_megatron.cli`` must not pull torch

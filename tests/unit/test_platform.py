@@ -21,7 +21,7 @@ def test_select_platform_cpu():
 
 
 def test_shim_is_inactive_when_cuda_is_available(monkeypatch):
-    monkeypatch.setattr(platform, "cuda_available", lambda: True)
+    monkeypatch.setattr(platform.probe, "cuda_available", lambda: True)
     assert platform.install_megatron_cpu_shim() is False
 
 
@@ -167,9 +167,9 @@ def test_cpu_rotary_embedding_equals_the_formula_and_megatrons_own():
 
 
 def test_pipeline_sends_are_unbatched_on_gloo(monkeypatch):
-    monkeypatch.setattr(platform, "cuda_available", lambda: False)
+    monkeypatch.setattr(platform.probe, "cuda_available", lambda: False)
     assert platform.megatron_config_overrides() == {"batch_p2p_comm": False}
-    monkeypatch.setattr(platform, "cuda_available", lambda: True)
+    monkeypatch.setattr(platform.probe, "cuda_available", lambda: True)
     assert platform.megatron_config_overrides() == {}
 
 
@@ -177,10 +177,10 @@ def test_a_broken_transformer_engine_is_reported_once_with_its_error(monkeypatch
     import logging
     import sys
 
-    monkeypatch.setattr(platform, "cuda_available", lambda: True)  # a GPU node, faked
+    monkeypatch.setattr(platform.probe, "cuda_available", lambda: True)  # a GPU node, faked
     monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import fails
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
-    platform.transformer_engine_status.cache_clear()
+    platform.probe.transformer_engine_status.cache_clear()
     platform.report_layer_spec.cache_clear()
     try:
         assert platform.use_transformer_engine("auto") is False
@@ -192,7 +192,7 @@ def test_a_broken_transformer_engine_is_reported_once_with_its_error(monkeypatch
         assert "importing transformer_engine.pytorch failed" in warnings_logged[0].getMessage()
         assert "local spec" in warnings_logged[0].getMessage()
     finally:
-        platform.transformer_engine_status.cache_clear()
+        platform.probe.transformer_engine_status.cache_clear()
         platform.report_layer_spec.cache_clear()
 
 
@@ -215,7 +215,7 @@ def test_no_fused_softmax_without_its_kernels_on_a_gpu(monkeypatch, tiny_qwen2_d
     from rlep_megatron.models.megatron import transformer_config
     from rlep_megatron.checkpoint.hf_io import load_hf_config
 
-    monkeypatch.setattr(platform, "cuda_available", lambda: True)  # a GPU node, faked
+    monkeypatch.setattr(platform.probe, "cuda_available", lambda: True)  # a GPU node, faked
     for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"):
         monkeypatch.setitem(sys.modules, name, None)
     hf = load_hf_config(tiny_qwen2_dir)
@@ -226,7 +226,7 @@ def test_no_fused_softmax_without_its_kernels_on_a_gpu(monkeypatch, tiny_qwen2_d
 
 
 def test_transformer_engine_modes(monkeypatch):
-    monkeypatch.setattr(platform, "transformer_engine_status",
+    monkeypatch.setattr(platform.probe, "transformer_engine_status",
                         lambda: (False, "importing transformer_engine.pytorch failed: boom"))
     assert platform.use_transformer_engine("auto") is False
     assert platform.use_transformer_engine("off") is False
@@ -234,7 +234,7 @@ def test_transformer_engine_modes(monkeypatch):
         platform.use_transformer_engine("required")
     with pytest.raises(ValueError, match="auto, required, off"):
         platform.use_transformer_engine("yes")
-    monkeypatch.setattr(platform, "transformer_engine_status", lambda: (True, ""))
+    monkeypatch.setattr(platform.probe, "transformer_engine_status", lambda: (True, ""))
     assert platform.use_transformer_engine("auto") is True
     assert platform.use_transformer_engine("required") is True
     assert platform.use_transformer_engine("off") is False
@@ -255,13 +255,13 @@ def test_device_choice_refuses_gpus_torch_cannot_use(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", no_cuda)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(platform, "_nvidia_driver_version", lambda: "535.104.05")
+    monkeypatch.setattr(platform.probe, "nvidia_driver_version", lambda: "535.104.05")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(platform, "nvidia_gpus", lambda: [])
+    monkeypatch.setattr(platform.probe, "nvidia_gpus", lambda: [])
     assert platform.choose_device("auto") == "cpu"  # no NVIDIA GPU here
     with pytest.raises(platform.DeviceError, match="trainer.device=cuda, but torch"):
         platform.choose_device("cuda")
-    monkeypatch.setattr(platform, "nvidia_gpus", lambda: ["GPU 0: NVIDIA H100", "GPU 1: X"])
+    monkeypatch.setattr(platform.probe, "nvidia_gpus", lambda: ["GPU 0: NVIDIA H100", "GPU 1: X"])
     with pytest.raises(platform.DeviceError) as err:
         platform.choose_device("auto")
     message = str(err.value)
@@ -276,7 +276,7 @@ def test_device_choice_refuses_gpus_torch_cannot_use(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "NoDevFiles")  # SLURM without GPUs
     assert platform.choose_device("auto") == "cpu"
     # vLLM's CUDA build ignores CUDA_VISIBLE_DEVICES (NVML): cpu on a GPU node is refused
-    monkeypatch.setattr(platform, "_vllm_is_cpu_build", lambda: False)
+    monkeypatch.setattr(platform.probe, "vllm_is_cpu_build", lambda: False)
     with pytest.raises(platform.DeviceError, match="vLLM's CPU build"):
         platform.choose_device("cpu")
     with pytest.raises(ValueError, match="auto, cuda, cpu"):

@@ -8,7 +8,9 @@ sync midway and checks the engine refuses to generate until a complete sync. Ran
 JSON report to ``--out``; the pytest side asserts on it.
 """
 import argparse
+import contextlib
 import json
+import types
 
 import torch
 
@@ -55,7 +57,8 @@ def routing_check(chunks, info, prompts, responses):
     top-k compared with the experts the engine captured, then the same with the engine's
     experts shifted one position later (a misaligned replay): mismatch fractions and counts
     over every rank; and with the engine's routing followed (routing_replay=rollout), whether
-    every token the engine routed was routed the same."""
+    every token the engine routed was routed the same; last, the same with a deliberate bug
+    (the replay reads the engine's experts one position early), which that check must see."""
     from rlep_megatron.actor.expert_load import ExpertLoad
     from rlep_megatron.actor.forward import actor_logprobs
     from rlep_megatron.actor.routing import RoutingReplay
@@ -72,9 +75,10 @@ def routing_check(chunks, info, prompts, responses):
     shifted = {layer: torch.cat([torch.full_like(e[:, :1], -1), e[:, :-1]], dim=1)
                for layer, e in engine.items()}
     out = {}
-    for name, store in (("own", engine), ("shifted", shifted), ("followed", engine)):
-        follow = name == "followed"
-        with ExpertLoad(chunks) as load, \
+    for name, store in (("own", engine), ("shifted", shifted), ("followed", engine),
+                        ("misaligned", engine)):
+        follow = name in ("followed", "misaligned")
+        with ExpertLoad(chunks) as load, _read_one_early(replay, name == "misaligned"), \
                 replay.recording(*input_ids.shape, engine=store, follow_engine=follow) as used:
             actor_logprobs(chunks, info, input_ids, micro_batch_size=4, lengths=lengths,
                            pack_max_tokens=160)
@@ -89,6 +93,25 @@ def routing_check(chunks, info, prompts, responses):
             distributed.all_reduce(differ, "max")
             out[name]["engine_experts_used"] = differ.item() == 0
     return out
+
+
+@contextlib.contextmanager
+def _read_one_early(replay, mutate: bool):
+    """The mutation of :func:`routing_check`: the replay looks the engine's experts up at the
+    previous column of each token."""
+    if not mutate:
+        yield
+        return
+    original = type(replay)._against_engine
+
+    def early(self, layer, indices, rows, cols, valid):
+        return original(self, layer, indices, rows, (cols - 1).clamp(min=0), valid)
+
+    replay._against_engine = types.MethodType(early, replay)
+    try:
+        yield
+    finally:
+        del replay._against_engine
 
 
 def common_prefix_diffs(before, after):

@@ -1,5 +1,5 @@
 """Megatron actor -> vLLM engine weight sync: after every sync vLLM's log-probs of its own samples
-equal the actor's recomputation (fp32, <= 1e-4), for several actor TP x PP layouts against
+equal the actor's recomputation (fp32, every token within 1e-4), for several actor TP x PP layouts against
 rollout TP 1 and 2; an optimizer step moves the engine's log-probs (so the sync really moved
 weights); a sync broken midway leaves an engine that refuses to generate until a full sync.
 The programs run under torchrun with vLLM in-process on every rank (external_launcher)."""
@@ -32,7 +32,8 @@ def check_layouts(report, expected_layouts):
         assert entry["buckets"] > 1, name  # small buckets: the stream really is bucketed
         for key in ("parity_before", "parity_after", "parity_t07"):
             assert entry[key]["tokens"] > 50, (name, key)
-            assert entry[key]["mean"] <= PARITY_TOL, (name, key, entry[key])
+            # every token, not only on average (measured: max about 1e-6 in fp32)
+            assert entry[key]["max"] <= PARITY_TOL, (name, key, entry[key])
         assert entry["parity_t07_at_t1"]["mean"] > 100 * PARITY_TOL, name
         # the step between the two syncs moved the engine's log-probs of the same tokens far
         # beyond the parity tolerance
@@ -59,7 +60,7 @@ def test_qwen2_rollout_tp2_actor_layouts_and_failed_sync(tmp_path, tiny_qwen2_di
     last = report["layouts"]["1x2"]
     assert last["fail_raised"] == "simulated loss of the weight stream"
     assert last["stale_refused"] and "last weight sync failed" in last["stale_refused"]
-    assert last["parity_recovered"]["mean"] <= PARITY_TOL
+    assert last["parity_recovered"]["max"] <= PARITY_TOL
 
 
 def test_llama_rollout_tp1_two_replicas(tmp_path, tiny_llama_dir):
@@ -74,11 +75,12 @@ def test_llama_four_ranks_actor_tp2_pp2_rollout_tp2(tmp_path, tiny_llama_dir):
     check_layouts(report, ["2x2"])
 
 
-def test_qwen3_actor_tp2_rollout_tp2(tmp_path, tiny_qwen3_dir):
-    """Qwen3's q/k norms and its head_dim != hidden / heads through the weight stream."""
-    report = run_program(tmp_path, tiny_qwen3_dir, 2, 2, "2x1")
+def test_qwen3_actor_tp2_and_tp1_rollout_tp2(tmp_path, tiny_qwen3_dir):
+    """Qwen3's q/k norms and its head_dim != hidden / heads through the weight stream, from
+    the rollout's layout (TP2) and from another (the whole model on each rank)."""
+    report = run_program(tmp_path, tiny_qwen3_dir, 2, 2, "2x1,1x1")
     check_sampling(report, dp_size=1)
-    check_layouts(report, ["2x1"])
+    check_layouts(report, ["2x1", "1x1"])
 
 
 def test_qwen3_moe_actor_ep2_tp2_pp2_cp2_rollout_tp1_and_engine_routing(
@@ -91,7 +93,7 @@ def test_qwen3_moe_actor_ep2_tp2_pp2_cp2_rollout_tp1_and_engine_routing(
     the checkpoint's weights: in fp32 the actor's routers choose the same on every token and
     MoE layer (packed micro-batches), the engine's experts one position off
     disagree on about half, and routing by the engine's experts routes every token the engine
-    routed through them."""
+    routed through them (a replay mutated to read them one position early fails that)."""
     report = run_program(tmp_path, tiny_qwen3_moe_dir, 2, 1, "1x1,1x1x2,2x1,1x2,1x1x2x2")
     check_sampling(report, dp_size=2)
     check_layouts(report, ["1x1", "1x1x2", "2x1", "1x2", "1x1x2x2"])
@@ -103,6 +105,8 @@ def test_qwen3_moe_actor_ep2_tp2_pp2_cp2_rollout_tp1_and_engine_routing(
         assert routing["own"]["mismatch_frac"] <= 0.01, (name, routing)
         assert routing["shifted"]["mismatch_frac"] >= 0.3, (name, routing)
         assert routing["followed"]["engine_experts_used"] is True, (name, routing)
+        # a replay that reads the engine's experts one position early is caught
+        assert routing["misaligned"]["engine_experts_used"] is False, (name, routing)
 
 
 def test_extension_methods_do_not_shadow_vllm_worker():
