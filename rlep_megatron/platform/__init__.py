@@ -11,7 +11,8 @@
 
 What the machine has (CUDA, the driver's GPUs, vLLM's build, TransformerEngine) is asked of
 :mod:`.probe` at call time, by every module here and by this package's functions of the same
-names: a test fakes a GPU node by replacing ``rlep_megatron.platform.probe.<name>``.
+names: a test fakes a GPU node by replacing ``rlep_megatron.platform.probe.<name>`` (replacing the
+package's ``cuda_available`` itself would reach only the callers outside this package).
 """
 from rlep_megatron.platform import probe
 from rlep_megatron.platform.device import (
@@ -26,7 +27,6 @@ from rlep_megatron.platform.vllm_cpu import (
     name_vllm_cpu_shm_per_job, refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels,
     remove_stale_vllm_cpu_shm, remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly,
     vllm_cpu_engine_settings, vllm_cpu_shm_job_token)
-
 
 
 def cuda_available() -> bool:

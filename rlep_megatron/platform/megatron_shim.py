@@ -25,7 +25,8 @@ CUDA assumptions hold on CPU:
   ``torch.Generator`` states per name; mapping the tracker onto the global CPU generator makes
   megatron warn "CPU RNG state changed within GPU RNG context" and couples the streams.
 
-The shim is active only when CUDA is absent (:func:`cuda_available` is false) and is idempotent.
+The shim is active only when CUDA is absent (:func:`.probe.cuda_available` is false) and is
+idempotent.
 """
 from __future__ import annotations
 

@@ -114,9 +114,10 @@ UNSPLIT = {"qwen2": "qwen2-tp1-pp1", "qwen3": "qwen3-tp1-pp1", "qwen3_moe": "moe
 
 @pytest.mark.parametrize("case_id", [c for c in SPLIT_CASES if c not in UNSPLIT.values()])
 def test_split_layouts_match_the_unsplit_one(case_id, request):
-    """Each expert-, sequence- or context-parallel layout against the same model on one rank,
-    directly (the test above holds each against transformers): log-probs and entropy within
-    1e-5 on every real token."""
+    """Each expert-, sequence- or context-parallel layout (and the packed one-rank MoE case)
+    against the same model on one rank with padded micro-batches, directly (the test above
+    holds each against transformers): log-probs and entropy within 1e-5 on every real
+    token."""
     result = CASES.result(case_id, request)
     unsplit = CASES.result(UNSPLIT[CASES.cases[case_id][1]], request)
     assert torch.equal(result["input_ids"], unsplit["input_ids"])

@@ -21,6 +21,10 @@ def tool(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+# the verify tool's own verdict line (a crash of the launch also says "FAILED")
+VERIFY_FAILED = r"max \|delta logprob\| = \S+ \(tolerance \S+\): FAIL"
+
+
 def hf_tensors(directory):
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -79,7 +83,8 @@ def test_round_trip_is_bit_exact_single_and_sharded(arch, request, tmp_path):
 def transformers_made(arch: str, out_dir, seed: int = 7) -> str:
     """A checkpoint as transformers itself writes one: its own config class with its defaults,
     its own random initialisation, bfloat16 weights and ``save_pretrained``'s files as they
-    are. Shapes unlike the project's tiny maker: a tied Qwen3 head, ``head_dim`` 24 with hidden
+    are, except that the norm weights (transformers starts them at 1, as megatron does) are
+    moved off 1 so that a misplaced norm shows. Shapes unlike the project's tiny maker: a tied Qwen3 head, ``head_dim`` 24 with hidden
     96 and 6 heads; a MoE whose middle layer is dense (``mlp_only_layers``) with gates that
     are not renormalised (``norm_topk_prob=false``)."""
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
@@ -97,6 +102,10 @@ def transformers_made(arch: str, out_dir, seed: int = 7) -> str:
                                 norm_topk_prob=False, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # its norms start at exactly 1: make each one tell where it went
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(out_dir)
     build_tokenizer().save_pretrained(out_dir)
     return str(out_dir)
@@ -122,7 +131,7 @@ def test_a_checkpoint_made_by_transformers_round_trips_and_verifies(arch, tmp_pa
                         ["--hf-dir", hf_dir, "--mcore-dir", str(mcore), *split])
     assert "OK" in proc.stdout, proc.stdout
     other = transformers_made(arch, tmp_path / "other", seed=8)
-    with pytest.raises(AssertionError, match="FAIL"):
+    with pytest.raises(AssertionError, match=VERIFY_FAILED):
         run_torchrun("tools/verify_conversion.py", 2,
                      ["--hf-dir", other, "--mcore-dir", str(mcore), *split])
 
@@ -139,7 +148,7 @@ def test_converted_checkpoint_verifies_at_another_layout(tiny_qwen2_dir, tmp_pat
     from rlep_megatron.tiny_model import make_tiny_model
 
     other = make_tiny_model(str(tmp_path / "other"), seed=1, arch="qwen2")
-    with pytest.raises(AssertionError, match="FAIL"):
+    with pytest.raises(AssertionError, match=VERIFY_FAILED):
         run_torchrun("tools/verify_conversion.py", 2, ["--hf-dir", other, "--mcore-dir", mcore,
                                                        "--tp", "2"])
 
@@ -158,7 +167,7 @@ def test_converted_moe_checkpoint_verifies_with_experts_split(tiny_qwen3_moe_dir
     from rlep_megatron.tiny_model import make_tiny_model
 
     other = make_tiny_model(str(tmp_path / "other"), seed=1, arch="qwen3_moe")
-    with pytest.raises(AssertionError, match="FAIL"):
+    with pytest.raises(AssertionError, match=VERIFY_FAILED):
         run_torchrun("tools/verify_conversion.py", 2, ["--hf-dir", other, "--mcore-dir", mcore,
                                                        "--ep", "2"])
 

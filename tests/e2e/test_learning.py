@@ -97,8 +97,10 @@ def test_training_reward_rises_on_a_mixture_of_experts(task, tmp_path):
     """The same run with the tiny Qwen3-MoE (8 experts, top-2) warm-started alike, every
     update routed through the experts the rollout engine chose (``algo.routing_replay=
     rollout``). Over warm-start seeds 0-2 (``bench/moe_learning.py``) the rise was 0.38-0.39
-    at 3.8-5.7 times the noise on two CPUs, and the actor's own top-k never differed from the
-    engine's in fp32."""
+    at 3.8-5.2 times the noise on an AMD EPYC, and for seed 0 on an Intel Xeon 0.37 at 5.7;
+    the actor's own top-k never differed from the engine's in fp32. In fp32 the two route
+    alike, so this run cannot tell whether the updates followed the engine's experts or their
+    own: tests/vllm/test_rollout_weight_sync.py checks that, with a mutation it catches."""
     model = warm_started(task, tmp_path, "qwen3_moe")
     metrics = train(task, model, tmp_path / "run", "trainer.sequence_packing=true",
                     "algo.routing_replay=rollout")

@@ -92,8 +92,9 @@ def test_no_import_cycle_between_subpackages():
 def module_imports() -> dict[str, set[str]]:
     """Every module of the package -> the modules of the package it imports, at module level
     or inside a function (``from P import name`` counts as an import of the module ``P.name``
-    when there is one, else of ``P``). The parent packages Python runs first are not counted:
-    the module does not name them."""
+    when there is one, else of ``P``), and the packages Python runs first to import them
+    (``import a.b.c`` runs ``a.b``'s ``__init__``), except the importing module's own parent
+    packages, which have run already."""
     import ast
     import os
 
@@ -118,6 +119,12 @@ def module_imports() -> dict[str, set[str]]:
                 if node.module in modules:
                     targets.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in
                                    modules else node.module for a in node.names)
+        own_parents = {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
+        for target in list(targets):
+            for i in range(1, target.count(".")):
+                parent = target.rsplit(".", i)[0]
+                if parent not in own_parents:
+                    targets.add(parent)
         targets.discard(module)
     return graph
 
