@@ -40,6 +40,8 @@ from rlep_megatron.checkpoint.dist import check_checkpoint_model, model_fingerpr
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
 def layer_spec_name(use_te: bool) -> str:
     """How ``meta.json`` names the actor's layer spec."""
     return "transformer_engine" if use_te else "local"

@@ -48,16 +48,24 @@ WINDOW = 4
 MIN_RISE = 0.12
 
 
+def learnable_task(directory: str) -> dict:
+    """One-digit operands, 160 training questions, a slipped solution next to every correct
+    one (module doc)."""
+    return make_tiny_task(directory, seed=0, num_train=160, num_val=16, max_operand=9,
+                          num_slips_easy=1, num_slips_hard=1)
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    return make_tiny_task(str(tmp_path_factory.mktemp("learnable") / "task"), seed=0,
-                          num_train=160, num_val=16, max_operand=9, num_slips_easy=1,
-                          num_slips_hard=1)
+    return learnable_task(str(tmp_path_factory.mktemp("learnable") / "task"))
 
 
-def warm_started(task, root, arch: str) -> str:
-    model = make_tiny_model(str(root / "model"), seed=0, arch=arch)
-    warm_start(model, task["solutions"], steps=WARM_START_STEPS, lr=3e-3, show_progress=False)
+def warm_started(task, root, arch: str, seed: int = 0) -> str:
+    """The tiny ``arch`` model, its weights and the warm start's batch order seeded with
+    ``seed``, warm-started on ``task``'s solutions."""
+    model = make_tiny_model(str(root / "model"), seed=seed, arch=arch)
+    warm_start(model, task["solutions"], steps=WARM_START_STEPS, lr=3e-3, seed=seed,
+               show_progress=False)
     return model
 
 
@@ -74,13 +82,20 @@ def train(task, model: str, out, *overrides: str) -> list[dict]:
     return metrics
 
 
-def assert_learns(metrics: list[dict]) -> None:
+def rise_and_noise(metrics: list[dict]) -> tuple[float, float]:
+    """The mean fresh-rollout accuracy of the last ``WINDOW`` steps minus step 1's, and the
+    noise it is judged against."""
     accuracy = [e["rollout/acc_mean"] for e in metrics]
     before, last = accuracy[0], accuracy[-WINDOW:]
-    rise = statistics.fmean(last) - before
     # the levelled-off policy's own step-to-step spread, and at least the sampling error of
     # one step's 256 samples (binomial, sqrt(p (1 - p) / n))
     noise = max(statistics.pstdev(last), (before * (1 - before) / 256) ** 0.5)
+    return statistics.fmean(last) - before, noise
+
+
+def assert_learns(metrics: list[dict]) -> None:
+    accuracy = [e["rollout/acc_mean"] for e in metrics]
+    rise, noise = rise_and_noise(metrics)
     assert rise >= MIN_RISE, (rise, accuracy)
     assert rise >= 3 * noise, (rise, noise, accuracy)
 
@@ -88,22 +103,26 @@ def assert_learns(metrics: list[dict]) -> None:
 # sequence packing, as the GPU templates train (the tiny recipe's padded micro-batches run in
 # the other e2e tests; packed and padded give the same log-probs and updates in
 # tests/distributed/test_packing.py)
+PACKED = ("trainer.sequence_packing=true",)
+# the mixture-of-experts run: packed, every update routed through the engine's experts
+MOE_RUN = PACKED + ("algo.routing_replay=rollout",)
+
+
 def test_training_reward_rises_on_a_learnable_task(task, tmp_path):
     model = warm_started(task, tmp_path, "qwen2")
-    assert_learns(train(task, model, tmp_path / "run", "trainer.sequence_packing=true"))
+    assert_learns(train(task, model, tmp_path / "run", *PACKED))
 
 
 def test_training_reward_rises_on_a_mixture_of_experts(task, tmp_path):
     """The same run with the tiny Qwen3-MoE (8 experts, top-2) warm-started alike, every
     update routed through the experts the rollout engine chose (``algo.routing_replay=
-    rollout``). Over warm-start seeds 0-2 (``bench/moe_learning.py``) the rise was 0.38-0.39
-    at 3.8-5.2 times the noise on an AMD EPYC, and for seed 0 on an Intel Xeon 0.37 at 5.7;
-    the actor's own top-k never differed from the engine's in fp32. In fp32 the two route
+    rollout``). Over warm-start seeds 0-2 (``bench/moe_learning.py``) the rise was 0.33-0.37
+    at 5.1-6.7 times the noise on an Intel Xeon and 0.38-0.39 at 3.8-5.2 on an AMD EPYC; the
+    actor's own top-k never differed from the engine's in fp32. In fp32 the two route
     alike, so this run cannot tell whether the updates followed the engine's experts or their
     own: tests/vllm/test_rollout_weight_sync.py checks that, with a mutation it catches."""
     model = warm_started(task, tmp_path, "qwen3_moe")
-    metrics = train(task, model, tmp_path / "run", "trainer.sequence_packing=true",
-                    "algo.routing_replay=rollout")
+    metrics = train(task, model, tmp_path / "run", *MOE_RUN)
     assert_learns(metrics)
     # the engine's routing reached the actor: compared on every step, and in fp32 the two
     # route alike (a replay from the wrong positions disagrees on about half the pairs,
