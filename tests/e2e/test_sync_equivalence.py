@@ -1,0 +1,155 @@
+"""The synchronous loop (``trainer.max_staleness=0``) against values recorded from the trainer
+before it was split into a rollout side, a learning side and a loop (commit ``3dd1a2e``'s
+parent, ``bb9c252``): after 3 RLEP steps, every metric but the timings and a digest of every
+weight of the final checkpoint are equal, bit for bit, padded and packed, on 1 rank and on 2
+ranks at TP2 and at PP2.
+
+Floats differ between CPU kinds (vLLM-CPU and oneDNN pick other kernels on AVX-512 than on
+AVX2), so the recorded values are kept per kind (``tests/data/sync_reference.json``). On a kind
+with no record, the pre-split commit itself is run from this clone's history (a git worktree)
+to produce them.
+
+``RLEP_RECORD_SYNC_REFERENCE=1`` records this machine's kind from the code under test (only
+ever run on the pre-split commit)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from tests import requires
+from tests.e2e.helpers import read_jsonl, recipe, reference_pool, small_task, train_overrides
+from tests.torchrun import REPO_ROOT, _env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+requires("vllm")
+
+PRE_SPLIT_COMMIT = "bb9c252"
+REFERENCE_FILE = os.path.join(REPO_ROOT, "tests", "data", "sync_reference.json")
+LAYOUTS = {
+    "1rank": (1, []),
+    "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
+    "pp2": (2, ["parallel.pipeline_model_parallel_size=2"]),
+}
+
+
+def cpu_kind() -> str:
+    """``avx512`` or ``avx2``: the kernel family vLLM-CPU and oneDNN pick on this CPU."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    return "avx512" if " avx512f" in flags else "avx2"
+
+
+def weights_digest(checkpoint_dir: str) -> dict[str, str]:
+    """sha256 of every model tensor (optimizer state left out) of a torch_dist checkpoint, read
+    on one process through torch's own format converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(checkpoint_dir, path)
+        state = torch.load(path, weights_only=False)
+
+    def flat(prefix, value, out):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                flat(f"{prefix}{key}.", item, out)
+        elif isinstance(value, torch.Tensor):
+            out[prefix[:-1]] = value
+        return out
+
+    tensors = flat("", state, {})
+    return {name: hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+            for name, t in sorted(tensors.items()) if "optimizer" not in name}
+
+
+def run_case(root: str, layout: str, packed: bool, hf_dir: str, task, pool: str) -> dict:
+    nproc, extra = LAYOUTS[layout]
+    out = os.path.join(root, f"{layout}-{'packed' if packed else 'padded'}")
+    args = ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+            *train_overrides(hf_dir, task, out, steps=3),
+            f"replay.pool_files=[{pool}]", "replay.num_replays_per_prompt=2",
+            f"trainer.sequence_packing={str(packed).lower()}", *extra]
+    return run_in(REPO_ROOT, args, nproc, out)
+
+
+def run_in(code_dir: str, args: list[str], nproc: int, out: str) -> dict:
+    """``rlep`` ``args`` with the package of ``code_dir``; the metrics but timings, and the final
+    checkpoint's weight digests."""
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", "-m", "rlep_megatron.cli", *args]
+    else:
+        command = [sys.executable, "-m", "rlep_megatron.cli", *args]
+    env = _env(None)
+    env["PYTHONPATH"] = code_dir + os.pathsep + REPO_ROOT
+    proc = subprocess.run(command, cwd=code_dir, env=env, capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"rlep train failed in {code_dir}:\n"
+                             f"{(proc.stdout + proc.stderr)[-6000:]}")
+    metrics = [{k: v for k, v in entry.items() if not k.startswith("timing/")}
+               for entry in read_jsonl(os.path.join(out, "metrics.jsonl"))]
+    return {"metrics": metrics,
+            "weights": weights_digest(os.path.join(out, "checkpoints", "step_00000003", "dist"))}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, tiny_qwen2_dir):
+    task = small_task(str(tmp_path_factory.mktemp("task")))
+    pool = reference_pool(task, str(tmp_path_factory.mktemp("pool") / "pool.parquet"))
+    return tiny_qwen2_dir, task, pool
+
+
+def reference_for(case: str, inputs, tmp_path) -> dict:
+    recorded = json.load(open(REFERENCE_FILE)) if os.path.isfile(REFERENCE_FILE) else {}
+    if case in recorded.get(cpu_kind(), {}):
+        return recorded[cpu_kind()][case]
+    # no record for this CPU kind: the pre-split code itself, from this clone's history
+    tree = str(tmp_path / "pre-split")
+    subprocess.run(["git", "-C", REPO_ROOT, "worktree", "add", "--detach", tree,
+                    PRE_SPLIT_COMMIT], check=True, capture_output=True)
+    try:
+        layout, packing = case.split("-")
+        hf_dir, task, pool = inputs
+        nproc, extra = LAYOUTS[layout]
+        out = str(tmp_path / "pre-split-run")
+        args = ["train", "--config", os.path.join(tree, "examples", "tiny_cpu_rlep.yaml"),
+                *train_overrides(hf_dir, task, out, steps=3),
+                f"replay.pool_files=[{pool}]", "replay.num_replays_per_prompt=2",
+                f"trainer.sequence_packing={str(packing == 'packed').lower()}", *extra]
+        return run_in(tree, args, nproc, out)
+    finally:
+        subprocess.run(["git", "-C", REPO_ROOT, "worktree", "remove", "--force", tree],
+                       capture_output=True)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_synchronous_loop_equals_the_pre_split_trainer(layout, packed, inputs, tmp_path):
+    case = f"{layout}-{'packed' if packed else 'padded'}"
+    got = run_case(str(tmp_path), layout, packed, *inputs)
+    if os.environ.get("RLEP_RECORD_SYNC_REFERENCE") == "1":
+        recorded = json.load(open(REFERENCE_FILE)) if os.path.isfile(REFERENCE_FILE) else {}
+        recorded.setdefault(cpu_kind(), {})[case] = got
+        with open(REFERENCE_FILE, "w") as f:
+            json.dump(recorded, f, indent=1, sort_keys=True)
+        return
+    want = reference_for(case, inputs, tmp_path)
+    assert [e["step"] for e in got["metrics"]] == [0, 1, 2, 3]
+    for new, old in zip(got["metrics"], want["metrics"]):
+        # every metric the pre-split trainer wrote, with the same value (new keys may be added)
+        missing = sorted(set(old) - set(new))
+        assert not missing, (new["step"], missing)
+        differing = {k: (new[k], old[k]) for k in old if new[k] != old[k]}
+        assert not differing, (new["step"], differing)
+    assert got["weights"] == want["weights"]
