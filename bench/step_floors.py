@@ -86,14 +86,14 @@ def plain_model(trainer):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(trainer.cfg.model.hf_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_config(config, dtype=trainer.info.params_dtype)
-    weights = {name: tensor.clone() for name, tensor in trainer.streamer.iter_tensors()}
+    model = AutoModelForCausalLM.from_config(config, dtype=trainer.learner.info.params_dtype)
+    weights = {name: tensor.clone() for name, tensor in trainer.learner.streamer.iter_tensors()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise RuntimeError(f"weights do not match the transformers model: {missing} "
                            f"{unexpected}")
     model.tie_weights()
-    return model.to(next(trainer.chunks[0].parameters()).device)  # the actor's device
+    return model.to(next(trainer.learner.chunks[0].parameters()).device)  # the actor's device
 
 
 def _padded_groups(lengths, budget):
@@ -152,7 +152,7 @@ def plain_train(model, optimizer, train_batches, budget, algo, temperature) -> f
 def copy_floor(trainer) -> float:
     import torch
 
-    sources = [p.detach() for chunk in trainer.chunks for p in chunk.parameters()]
+    sources = [p.detach() for chunk in trainer.learner.chunks for p in chunk.parameters()]
     targets = [torch.empty_like(p) for p in sources]
     start = time.perf_counter()
     for src, dst in zip(sources, targets):
@@ -173,6 +173,7 @@ def main() -> None:
     import torch
 
     from rlep_megatron.config import load_config
+    from rlep_megatron.actor.old_logprob import mini_batch_plan
     from rlep_megatron.trainer import Trainer
 
     out_dir = tempfile.mkdtemp(prefix="step_floors_")
@@ -180,7 +181,8 @@ def main() -> None:
         f"trainer.output_dir={out_dir}", "trainer.validation_interval_steps=0",
         "checkpoint.save_interval_steps=0", "trainer.loggers=[]"])
     trainer = Trainer(cfg)
-    trainer.weight_sync()
+    learner, side = trainer.learner, trainer.rollout
+    learner.weight_sync()
     plain = plain_model(trainer)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.optim.lr,
                                         weight_decay=cfg.optim.weight_decay)
@@ -191,27 +193,27 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     padding: list[float] = []
     for step in range(args.warmup + args.steps):
-        batch_rows = trainer.sampler.next_global_batch()
-        seed = trainer._seed(0)
-        batch, rollout_s = _timed(lambda: trainer.rollout(batch_rows, seed))
+        seed = side.seed(trainer.step, 0)
+        batch, rollout_s = _timed(lambda: side.fresh_batch(trainer.step, 0))
         seeded = raw_generate(trainer, batch.prompts, seed, seeded=True)
         unseeded = raw_generate(trainer, batch.prompts, seed, seeded=False)
         generated = float(batch.generated_tokens)
         plain.load_state_dict({name: tensor for name, tensor in
-                               trainer.streamer.iter_tensors()}, strict=False)
+                               trainer.learner.streamer.iter_tensors()}, strict=False)
         hf_gen, hf_tokens = plain_generate(plain, batch.prompts, cfg.rollout, pad_id, eos_id,
                                              seed)
-        trainer.add_replays(batch)
-        trainer.reward(batch)
-        trainer.advantage(batch)
-        plan = trainer.mini_batches(batch)
+        side.add_replays(batch, trainer.step)
+        side.reward(batch)
+        learner.advantage(batch)
+        plan = mini_batch_plan(len(batch.sequences), cfg)
         with trainer.engine.released():  # as in a step (GPU: the engine sleeps meanwhile)
-            (train_batches, _), old_s = _timed(lambda: trainer.old_logprob(batch, plan))
+            (train_batches, _), old_s = _timed(
+                lambda: learner.old_logprob(batch, plan, trainer.step))
             old_floor = plain_old_logprob(plain, train_batches, budget, temperature)
-            train_metrics, train_s = _timed(lambda: trainer.train(train_batches))
+            train_metrics, train_s = _timed(lambda: learner.train(train_batches, trainer.step))
             train_floor = plain_train(plain, plain_optimizer, train_batches, budget, cfg.algo,
                                       temperature)
-        _, sync_s = _timed(trainer.weight_sync)
+        _, sync_s = _timed(learner.weight_sync)
         sync_floor = copy_floor(trainer)
         trainer.step += 1
         if step < args.warmup:

@@ -453,6 +453,15 @@ class TrainerConfig:
     """W&B project of the run (with ``wandb`` in ``loggers``)."""
     wandb_run_name: str = ""
     """W&B run name; empty: the output directory's name."""
+    max_staleness: int = 0
+    """How many policy versions old a fresh token may be when it is trained. 0: synchronous
+    (each step's prompts are generated under the weights that then train on them). k >= 1:
+    the prompts of the next k steps generate on the engine alongside a step's own, so that the
+    engine is never down to a few long responses; their unfinished requests are carried over
+    each weight update (``rollout.carry_over``) and a step waits for its own groups to finish,
+    so no token is more than k versions old. Pair k >= 1 with ``algo.rollout_correction``
+    (truncate or mask), which weighs every token by the log-prob of the version that sampled
+    it. Larger k keeps the engine fuller and the data staler (docs/ASYNC.md)."""
 
     def __post_init__(self):
         if not self.output_dir:
@@ -473,6 +482,9 @@ class TrainerConfig:
         if self.micro_batch_max_tokens < 1:
             raise ValueError("trainer.micro_batch_max_tokens must be >= 1, got "
                              f"{self.micro_batch_max_tokens}")
+        if self.max_staleness < 0:
+            raise ValueError(f"trainer.max_staleness must be >= 0 (0 = synchronous), got "
+                             f"{self.max_staleness}")
 
 
 @dataclass(frozen=True)

@@ -189,9 +189,9 @@ class CheckpointManager:
     def _sharded_state(self, trainer, is_loading: bool = False) -> dict:
         from rlep_megatron.checkpoint.dist import model_sharded_state_dict
 
-        model = model_sharded_state_dict(trainer.chunks)
+        model = model_sharded_state_dict(trainer.learner.chunks)
         # when loading, megatron first creates the (lazily built) Adam state to load into
-        optimizer = trainer.optimizer.optimizer.sharded_state_dict(
+        optimizer = trainer.learner.optimizer.optimizer.sharded_state_dict(
             model, is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": self._OPTIMIZER_FORMAT})
         return {"model": model, "optimizer": optimizer}
@@ -200,10 +200,8 @@ class CheckpointManager:
     def _trainer_state(trainer) -> dict:
         return {
             "step": trainer.step,
-            "sampler": trainer.sampler.state_dict(),
-            "replay_sampler": (trainer.replay_sampler.state_dict()
-                               if trainer.replay_sampler else None),
-            "optimizer_counters": trainer.optimizer.state_dict(),
+            **trainer.rollout.state_dict(),  # "sampler", "replay_sampler"
+            "optimizer_counters": trainer.learner.optimizer.state_dict(),
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state()},
         }
@@ -261,7 +259,7 @@ class CheckpointManager:
 
             dump_config(self.cfg, partial)  # the settings this checkpoint was trained with
             meta = {"step": trainer.step, "model": self.fingerprint, "layout": self._layout(),
-                    "layer_spec": layer_spec_name(trainer.info.use_te),
+                    "layer_spec": layer_spec_name(trainer.learner.info.use_te),
                     "complete": True}
             with open(os.path.join(partial, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
@@ -284,20 +282,19 @@ class CheckpointManager:
         path = self._resume_path()
         if path is None:
             return False
-        trainer.optimizer.create_state()
+        trainer.learner.optimizer.create_state()
         from rlep_megatron.checkpoint.dist import drop_unsaved_extra_state, load_model_state_dict
 
         sharded = drop_unsaved_extra_state(self._sharded_state(trainer, is_loading=True),
                                            os.path.join(path, "dist"))
         state = dist_checkpointing.load(sharded, os.path.join(path, "dist"))
 
-        load_model_state_dict(trainer.chunks, state["model"])
+        load_model_state_dict(trainer.learner.chunks, state["model"])
         extra = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
-        trainer.optimizer.load_checkpoint_state(state["optimizer"], extra["optimizer_counters"])
+        trainer.learner.optimizer.load_checkpoint_state(state["optimizer"],
+                                                        extra["optimizer_counters"])
         trainer.step = int(extra["step"])
-        trainer.sampler.load_state_dict(extra["sampler"])
-        if trainer.replay_sampler is not None and extra["replay_sampler"] is not None:
-            trainer.replay_sampler.load_state_dict(extra["replay_sampler"])
+        trainer.rollout.load_state_dict(extra)
         random.setstate(extra["rng"]["python"])
         np.random.set_state(extra["rng"]["numpy"])
         torch.set_rng_state(extra["rng"]["torch"])

@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -53,6 +53,9 @@ class Response:
     routing: Optional[np.ndarray] = None
     """Mixture-of-experts engines with routing capture: ``[prompt + response, layers, k]``
     expert ids per position (-1: none; :mod:`rlep_megatron.rollout.routing_capture`)."""
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """``(policy version, number of tokens)`` spans over ``token_ids``, in order: which weights
+    sampled each token (set by the scheduler that drove the engine)."""
 
     @property
     def length(self) -> int:

@@ -198,6 +198,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     the next step's rollout (before, the second step raised StaleWeightsError)."""
     import types
 
+    from rlep_megatron.actor.learner import LearningSide
     from rlep_megatron.trainer import Trainer
 
     calls = []
@@ -209,25 +210,28 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     streamer = types.SimpleNamespace(names=["w"], iter_tensors=lambda: iter([("w", torch.zeros(2))]))
     batch = types.SimpleNamespace(sequences=[], generated_tokens=0, length=len)
 
-    def make_batch(timer):
+    def next_batch(step, timer):
         engine.generate([[1, 2, 3]], n=1)
         return batch
 
     cfg = types.SimpleNamespace(
         trainer=types.SimpleNamespace(total_steps=2, validation_interval_steps=0),
         checkpoint=types.SimpleNamespace(save_interval_steps=1))
-    trainer = types.SimpleNamespace(
-        cfg=cfg, engine=engine, optimizer=optimizer, chunks=[], checkpoints=checkpoints,
-        streamer=streamer, offload_train_state=True, _train_state_offloaded=True, step=0,
-        metrics=None, val_rows=None, make_batch=make_batch,
-        _count_replays=lambda b: None, _admit_online=lambda: 0, online_pool=None, pool=None,
-        advantage=lambda b: None, mini_batches=lambda b: [],
-        old_logprob=lambda b, plan: (calls.append("old log-probs") or ([], {})),
-        train=lambda tb: (calls.append("train") or {}), step_metrics=lambda b, t, o: {},
-        _log=lambda step, metrics: None)
-    for name in ("run", "train_step", "save_checkpoint", "restore_train_state",
-                 "offload_train_state_now", "weight_sync"):
-        setattr(trainer, name, getattr(Trainer, name).__get__(trainer))
+    learner = LearningSide.__new__(LearningSide)
+    learner.__dict__.update(cfg=cfg, engine=engine, optimizer=optimizer, chunks=[],
+                            streamer=streamer, offload_train_state=True,
+                            _train_state_offloaded=True)
+    learner.advantage = lambda b: None
+    learner.old_logprob = lambda b, plan, version: (calls.append("old log-probs") or ([], {}))
+    learner.train = lambda tb, version: (calls.append("train") or {})
+    trainer = Trainer.__new__(Trainer)
+    trainer.__dict__.update(
+        cfg=cfg, engine=engine, learner=learner, checkpoints=checkpoints, step=0, metrics=None,
+        val_rows=None, rollout=types.SimpleNamespace(next_batch=next_batch),
+        scheduler=types.SimpleNamespace(pause=lambda: None),
+        step_metrics=lambda b, t, o: {}, _log=lambda step, metrics: None)
+    cfg.rollout = types.SimpleNamespace(num_samples_per_prompt=1)
+    cfg.trainer.mini_batch_size, cfg.trainer.mini_batch_unit = 1, "prompts"
     checkpoints.maybe_resume = lambda trainer: calls.append("resume?") or False
     trainer.run()  # built with the train state offloaded (so the engine could size its cache)
     assert trainer.step == 2
@@ -238,4 +242,4 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     assert calls == [sleep, "restore", "resume?", "offload", wake, "weights synced",
                      "engine wakes ['kv_cache']", *one_step, *checkpoint,
                      "engine wakes ['kv_cache']", *one_step, *checkpoint]
-    assert trainer._train_state_offloaded and not engine.stale
+    assert learner._train_state_offloaded and not engine.stale

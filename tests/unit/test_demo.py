@@ -114,7 +114,7 @@ def test_arms_and_their_optimizer_steps_follow_the_protocol():
     baseline's; checked through the trainer's own mini-batch plan on the recipes' settings."""
     from rlep_megatron.config import load_config
     from rlep_megatron.demo import arm_settings, check_arms, examples_dir
-    from rlep_megatron.trainer import mini_batch_plan
+    from rlep_megatron.actor.old_logprob import mini_batch_plan
 
     assert check_arms(None) == ["baseline", "rlep"]
     assert check_arms(["online", "baseline"]) == ["baseline", "online"]

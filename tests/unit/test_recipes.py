@@ -5,7 +5,7 @@ import os
 import pytest
 
 from rlep_megatron.config import load_config
-from rlep_megatron.trainer import mini_batch_plan
+from rlep_megatron.actor.old_logprob import mini_batch_plan
 from tests.torchrun import REPO_ROOT
 
 pytestmark = pytest.mark.unit

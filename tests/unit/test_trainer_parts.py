@@ -5,8 +5,11 @@ import pytest
 from rlep_megatron.config import load_config
 from rlep_megatron.data import PromptRows
 from rlep_megatron.reward import compute_score
-from rlep_megatron.trainer import (FRESH, REPLAY, Sample, StepBatch, Trainer, mini_batch_plan,
-                                   training_rows)
+from rlep_megatron.actor.learner import LearningSide
+from rlep_megatron.actor.old_logprob import (mini_batch_plan, old_logprob_pass, train_batch,
+                                             training_rows)
+from rlep_megatron.data.batch import FRESH, REPLAY, Sample, StepBatch
+from rlep_megatron.rollout.side import RolloutSide
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +47,7 @@ def test_replays_are_rescored_and_shaped_like_fresh_responses():
     a response of L > 24 tokens gets min(0, -(L - 24) / 8)."""
     cfg = load_config(None, ["rollout.max_response_tokens=32", "reward.overlong_buffer_tokens=8",
                              "reward.overlong_penalty_factor=1.0"])
-    trainer = Trainer.__new__(Trainer)
+    trainer = RolloutSide.__new__(RolloutSide)
     trainer.cfg, trainer.scorer = cfg, InProcessScorer()
     rows = PromptRows()
     rows.data_source.append("math_dapo")
@@ -69,14 +72,14 @@ def test_replays_are_rescored_and_shaped_like_fresh_responses():
 
 
 class RoundsStub:
-    """What ``Trainer._dynamic_batch`` uses of a trainer: its config and one generation round
+    """What ``RolloutSide._dynamic_batch`` uses of a rollout side: its config and one generation round
     per call, here a fixed list of groups' correctness per round."""
 
     def __init__(self, rounds, overrides):
         self.cfg = load_config(None, ["data.train_batch_size=3", *overrides])
         self.rounds = rounds
 
-    def _generate_round(self, timer, round_index):
+    def _generate_round(self, timer, step, round_index):
         groups = self.rounds[round_index]
         batch = StepBatch(rows=[10 * round_index + g for g in range(len(groups))],
                           prompts=[[round_index, g] for g in range(len(groups))])
@@ -91,17 +94,17 @@ def test_dynamic_sampling_stops_or_trains_on_a_partial_batch_when_rounds_run_out
     stub = RoundsStub(rounds, ["algo.max_generation_rounds=3"])
     with pytest.raises(RuntimeError, match=r"kept 2 of 3 groups in 3 rounds .*"
                        r"algo.max_generation_rounds.*dynamic_sampling_partial_batch=true"):
-        Trainer._dynamic_batch(stub, timer=None)
+        RolloutSide._dynamic_batch(stub, timer=None, step=0)
     stub = RoundsStub(rounds, ["algo.max_generation_rounds=3",
                                "algo.dynamic_sampling_partial_batch=true"])
-    batch = Trainer._dynamic_batch(stub, timer=None)
+    batch = RolloutSide._dynamic_batch(stub, timer=None, step=0)
     assert batch.rows == [0, 11] and batch.generation_rounds == 3
     assert [s.group for s in batch.sequences] == [0, 0, 1, 1]
     # no group with signal at all: an error whatever the option
     stub = RoundsStub([[(True, True)]] * 2, ["algo.max_generation_rounds=2",
                                              "algo.dynamic_sampling_partial_batch=true"])
     with pytest.raises(RuntimeError, match="kept 0 of 3 groups in 2 rounds"):
-        Trainer._dynamic_batch(stub, timer=None)
+        RolloutSide._dynamic_batch(stub, timer=None, step=0)
 
 
 def test_online_admission_takes_every_generation_round_after_the_step():
@@ -111,8 +114,6 @@ def test_online_admission_takes_every_generation_round_after_the_step():
 
     from rlep_megatron.data.schema import prompt_key
     from rlep_megatron.replay import OnlinePool
-    from rlep_megatron.trainer import FRESH, REPLAY, Sample, StepBatch, Trainer
-
     messages = [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
     rounds = []
     for rows, answers in (([0, 1], [("a", True, "stop"), ("x", False, "stop"),
@@ -123,11 +124,11 @@ def test_online_admission_takes_every_generation_round_after_the_step():
             batch.sequences.append(Sample(i * len(rows) // len(answers), [1], text, FRESH,
                                           finish_reason=finish, acc=ok))
         batch.sequences.append(Sample(0, [1], "replayed", REPLAY, acc=True))  # never admitted
-        rounds += Trainer._fresh_groups(batch)
+        rounds += RolloutSide._fresh_groups(batch)
     pool = OnlinePool({}, answers_per_question=4)
-    trainer = types.SimpleNamespace(online_pool=pool, _candidates=rounds, step=7,
+    trainer = types.SimpleNamespace(online_pool=pool, _candidates=rounds,
                                     train_rows=types.SimpleNamespace(messages=messages))
-    assert Trainer._admit_online(trainer) == 4  # a, c, d, e
+    assert RolloutSide._admit_online(trainer, step=7) == 4  # a, c, d, e
     assert pool.get(messages[0]) == ["a"] and pool.get(messages[1]) == ["c"]
     assert pool.get(messages[2]) == ["d", "e"] and pool.born[prompt_key(messages[2])] == [7, 7]
     assert pool.pass_rate[prompt_key(messages[1])] == 1.0  # "b" passed, cut at the budget
@@ -146,7 +147,7 @@ def test_replays_reach_the_train_batch_with_their_group_advantage(monkeypatch):
     from rlep_megatron.actor import forward
 
     cfg = load_config(None, ["rollout.num_samples_per_prompt=4", "trainer.mini_batch_size=2"])
-    trainer = Trainer.__new__(Trainer)
+    trainer = LearningSide.__new__(LearningSide)
     trainer.cfg, trainer.pad_id = cfg, PAD
     trainer.ctx = types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0)
     trainer.routing_replay = trainer.reference = trainer.chunks = trainer.info = None
@@ -170,12 +171,12 @@ def test_replays_reach_the_train_batch_with_their_group_advantage(monkeypatch):
     assert replay_adv[1] > 0 and all(s.advantage < 0 for s in sequences[:4])
 
     load = types.SimpleNamespace(skip_rows=None)
-    plan = trainer.mini_batches(batch)
-    passes = list(trainer._old_logprob_pass(batch, plan, load))
+    plan = mini_batch_plan(len(batch.sequences), cfg)
+    passes = list(old_logprob_pass(trainer, batch, plan, load))
     assert len(passes) == len(plan) == 2
     for indices, (seqs, placeholder, tensors) in zip(plan, passes):
-        train, _, _ = trainer._train_batch(seqs, placeholder, tensors,
-                                           [len(batch.prompts[s.group]) for s in seqs])
+        train, _, _ = train_batch(cfg.algo, seqs, placeholder, tensors,
+                                  [len(batch.prompts[s.group]) for s in seqs], version=0)
         expected = [sequences[i] for i in indices]
         assert train.advantages.tolist() == pytest.approx([s.advantage for s in expected])
         assert train.is_replay.tolist() == [s.source == REPLAY for s in expected]

@@ -1,0 +1,254 @@
+"""The learning side: turns scored groups into updates of the actor.
+
+Owns the Megatron actor (model chunks, distributed optimizer, reference policy with a KL term,
+routing replay of a mixture-of-experts model), and per training step runs, in order:
+
+    advantage    per group over G' (mean / unbiased std + eps)
+    old_logprob  the actor's log-probs of every response before the update (the reference's
+                 too); engine/actor gap, rollout-correction weights, replay NLL
+    train        one epoch of mini-batch updates
+    weight_sync  the new weights streamed into the rollout engine
+
+With ``optim.offload_during_rollout`` (GPU) gradient buffers and optimizer state live off the
+GPU except while the engine sleeps for :meth:`LearningSide.update` or a checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from rlep_megatron import distributed, platform
+from rlep_megatron.actor.old_logprob import (mini_batch_plan, old_logprob_pass, train_batch)
+
+if TYPE_CHECKING:  # the rollout side's batch (rollout imports actor, not the other way)
+    from rlep_megatron.data.batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+class LearningSide:
+    """The actor and its optimizer; built before the rollout engine (whose memory, with
+    offload, is sized while the train state is off the GPU), connected to it by
+    :meth:`connect`."""
+
+    def __init__(self, cfg, hf_config: dict):
+        from rlep_megatron.actor.model import build_from_hf
+        from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
+        from rlep_megatron.checkpoint.dist import load_mcore_weights
+        from rlep_megatron.models import layout_limits, num_experts
+        from rlep_megatron.models.megatron import build_model, resolve_dtype
+
+        self.cfg, hf = cfg, hf_config
+        self.ctx = distributed.init_model_parallel(
+            cfg.parallel, seed=cfg.trainer.seed, **layout_limits(hf))
+        dtype = resolve_dtype(cfg.model.params_dtype)
+        moe_losses = {"moe_aux_loss_coeff": cfg.algo.moe_aux_loss_coeff,
+                      "moe_z_loss_coeff": cfg.algo.moe_z_loss_coeff}
+        if cfg.model.mcore_dir:
+            self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations,
+                                                 transformer_engine=cfg.model.transformer_engine,
+                                                 **moe_losses)
+            load_mcore_weights(self.chunks, cfg.model.mcore_dir, hf_config=hf)
+        else:
+            self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
+                                                   cfg.model.recompute_activations,
+                                                   cfg.model.transformer_engine, **moe_losses)
+        self.info = dataclasses.replace(self.info,
+                                        logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
+        # the KL term's reference: the initial weights, copied before any update or resume
+        self.reference = None
+        if cfg.algo.kl_coef > 0:
+            from rlep_megatron.actor.reference import ReferencePolicy
+
+            self.reference = ReferencePolicy(self.chunks, self.info,
+                                             offload=cfg.algo.reference_offload)
+        self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer,
+                               overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
+                               overlap_param_gather=cfg.optim.overlap_param_gather,
+                               grad_reduce_in_fp32=cfg.optim.grad_reduce_dtype == "float32")
+        self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
+        # a mixture-of-experts actor records its old-log-prob pass's routing (compared with
+        # the engine's for rollout/routing_mismatch_frac); algo.routing_replay=actor replays it
+        # in the updates, =rollout the engine's
+        self.moe = bool(num_experts(self.info.hf_config))
+        if cfg.algo.routing_replay != "off" and not self.moe:
+            raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} needs a "
+                             "mixture-of-experts model; this one is dense: use off")
+        self.routing_replay = None
+        if self.moe:
+            from rlep_megatron.actor.routing import RoutingReplay
+
+            self.routing_replay = RoutingReplay(self.chunks)
+        self.offload_train_state = cfg.optim.offload_during_rollout and platform.cuda_available()
+        if self.offload_train_state and self.info.params_dtype != torch.bfloat16:
+            raise ValueError("optim.offload_during_rollout needs model.params_dtype=bfloat16 "
+                             "(auto on GPU): with float32 parameters megatron's optimizer "
+                             "works on the model's own weights, which must stay on the GPU")
+        self._train_state_offloaded = False
+        self.engine = self.streamer = None
+        self.pad_id = 0
+        # with offload the engine is built while the gradient buffers and optimizer state are
+        # off the GPU: vLLM refuses to start when less than rollout.gpu_memory_utilization of
+        # the GPU is free, so that fraction can then include the memory the update holds only
+        # while the engine sleeps (vLLM does not grow its cache by itself: raise the setting)
+        self.offload_train_state_now()
+
+    def connect(self, engine, pad_id: int) -> None:
+        """Stream weights into ``engine`` from now on; ``pad_id`` pads training rows."""
+        from rlep_megatron.weight_sync import WeightStreamer
+
+        cfg = self.cfg
+        if engine.routing_unavailable is not None:
+            if cfg.algo.routing_replay == "rollout":
+                raise ValueError("algo.routing_replay=rollout needs the engine's routing, which "
+                                 f"this engine cannot give: {engine.routing_unavailable}; "
+                                 "use actor (replays the old-log-prob pass's routing) or off")
+            logger.warning("rollout/routing_mismatch_frac is not measured: %s",
+                           engine.routing_unavailable)
+        self.engine, self.pad_id = engine, pad_id
+        self.streamer = WeightStreamer(self.chunks, self.info,
+                                       cfg.rollout.weight_sync_bucket_bytes)
+
+    # ------------------------------------------------------------------ phases
+
+    def advantage(self, batch: StepBatch) -> None:
+        from rlep_megatron.algo import group_advantages
+
+        rewards = torch.tensor([s.reward for s in batch.sequences], dtype=torch.float64)
+        groups = [s.group for s in batch.sequences]
+        values = group_advantages(rewards, groups, eps=self.cfg.algo.advantage_eps,
+                                  normalize_std=self.cfg.algo.advantage_normalize_std)
+        for seq, value in zip(batch.sequences, values.tolist()):
+            seq.advantage = value
+
+    def update(self, batch: StepBatch, timer, version: int) -> tuple[dict, dict]:
+        """Old log-probs, then one epoch of mini-batch updates; returns the train metrics and
+        the old-log-prob metrics. ``version``: the policy version being trained (the step).
+        GPU: the engine's weights and KV cache are released meanwhile (vLLM sleep); the
+        weight sync refills them. No-op on CPU."""
+        plan = mini_batch_plan(len(batch.sequences), self.cfg)
+        with self.engine.released():
+            self.restore_train_state()
+            with timer.phase("old_logprob"):
+                train_batches, old_metrics = self.old_logprob(batch, plan, version)
+            with timer.phase("train"):
+                train = self.train(train_batches, version)
+            self.offload_train_state_now()
+        return train, old_metrics
+
+    def old_logprob(self, batch: StepBatch, plan: list[list[int]], version: int):
+        """Old (and reference) log-probs of every mini-batch, and the step's metrics of the
+        engine/actor gap, the rollout correction and how off-policy replays are."""
+        from megatron.core import parallel_state as ps
+
+        from rlep_megatron.actor.expert_load import ExpertLoad
+
+        # a mixture-of-experts actor: how evenly the old-log-prob pass routes the step's tokens
+        with ExpertLoad(self.chunks) as load:
+            parts = [train_batch(self.cfg.algo, seqs, placeholder, tensors,
+                                 [len(batch.prompts[s.group]) for s in seqs], version)
+                     for seqs, placeholder, tensors in old_logprob_pass(self, batch, plan, load)]
+        dp_group = ps.get_data_parallel_group()
+        sums = distributed.reduce_values({k: sum(p[1][k] for p in parts) for k in parts[0][1]},
+                                         "sum", dp_group)
+        maxima = distributed.reduce_values(
+            {k: max(p[2][k] for p in parts) for k in parts[0][2]}, "max", dp_group)
+        # computed from real log-probs on the last pipeline stage only
+        pp_last, pp_group = (ps.get_pipeline_model_parallel_last_rank(),
+                             ps.get_pipeline_model_parallel_group())
+        sums = distributed.broadcast_values(sums, pp_last, pp_group)
+        maxima = distributed.broadcast_values(maxima, pp_last, pp_group)
+        return [p[0] for p in parts], self._old_metrics(sums, maxima, load)
+
+    def _old_metrics(self, sums: dict, maxima: dict, load) -> dict[str, float]:
+        rollout_tokens = max(sums["rollout_tokens"], 1.0)
+        metrics = {
+            "rollout/logprob_abs_diff": (sums["parity"] / sums["parity_tokens"]
+                                         if sums["parity_tokens"] > 0 else 0.0),
+            "rollout/logprob_compared_tokens": sums["parity_tokens"],
+            "rollout/mismatch_kl_k1": sums["mismatch_k1"] / rollout_tokens,
+            "rollout/mismatch_kl_k3": sums["mismatch_k3"] / rollout_tokens,
+            "train/old_nll_mean/fresh": sums["nll_fresh"] / max(sums["tokens_fresh"], 1.0),
+            "train/old_nll_mean/replay": sums["nll_replay"] / max(sums["tokens_replay"], 1.0),
+            "train/old_nll_max/fresh": maxima["nll_max_fresh"],
+            "train/old_nll_max/replay": maxima["nll_max_replay"],
+            **load.metrics(engine_routing=self.engine.capturing_routing),
+        }
+        # the gap by where the behaviour log-prob comes from: the version being trained, an
+        # older one (one-step-off rollout)
+        for part in ("current", "carried"):
+            tokens = sums[f"parity_{part}_tokens"]
+            metrics[f"rollout/logprob_abs_diff/{part}"] = (
+                sums[f"parity_{part}"] / tokens if tokens > 0 else 0.0)
+        if self.cfg.algo.rollout_correction != "off":
+            metrics.update({
+                "rollout/correction_weight_mean": sums["correction_weight"] / rollout_tokens,
+                "rollout/correction_weight_max": maxima["correction_weight_max"],
+                "rollout/correction_weight_min": -maxima["correction_weight_neg_min"],
+                "rollout/correction_token_frac": sums["correction_tokens"] / rollout_tokens,
+                "rollout/correction_seq_frac": (sums["correction_seqs"]
+                                                / max(sums["rollout_seqs"], 1.0))})
+        if self.reference is not None:
+            metrics["train/ref_logp_abs_diff_max"] = maxima["ref_logp_abs_diff"]
+        return metrics
+
+    def train(self, train_batches, version: int) -> dict[str, float]:
+        from rlep_megatron.actor.train_step import train_mini_batch
+
+        self.optimizer.training_step = version  # the lr warm-up may count training steps
+        cfg = self.cfg
+        results = [train_mini_batch(self.chunks, self.optimizer, self.info, tb, cfg.algo,
+                                    cfg.trainer.micro_batch_max_tokens,
+                                    temperature=cfg.rollout.temperature,
+                                    replay_clip_high=cfg.replay.clip_ratio_high,
+                                    sequence_packing=cfg.trainer.sequence_packing,
+                                    routing_replay=self.routing_replay)
+                   for tb in train_batches]
+        # the weight sync and checkpoints read the weights outside a forward pass
+        self.optimizer.gather_params(self.chunks)
+        out = {}
+        for key in results[0]:
+            out[key] = _mean(r[key] for r in results if key in r)
+        out["num_optimizer_steps"] = float(len(results))
+        return out
+
+    def weight_sync(self) -> dict[str, float]:
+        from rlep_megatron.weight_sync import sync_weights
+
+        return sync_weights(self.engine, self.streamer)
+
+    # ------------------------------------------------------------------ memory
+
+    def offload_train_state_now(self) -> None:
+        """``optim.offload_during_rollout``: gradient buffers and optimizer state leave the
+        GPU until :meth:`restore_train_state`."""
+        if self.offload_train_state and not self._train_state_offloaded:
+            self.optimizer.offload(self.chunks)
+            self._train_state_offloaded = True
+
+    def restore_train_state(self) -> None:
+        if self._train_state_offloaded:
+            self.optimizer.restore(self.chunks)
+            self._train_state_offloaded = False
+
+    def with_train_state(self, action, resync: bool = True):
+        """``action()`` (a checkpoint save or load) with the train state on the device: brought
+        back while the engine sleeps, offloaded again after. The engine's sleep discards its
+        weights: with ``resync`` they are synced again from the (unchanged) actor."""
+        if not self._train_state_offloaded:
+            return action()
+        with self.engine.released():
+            self.restore_train_state()
+            result = action()
+            self.offload_train_state_now()
+        if resync and self.engine.stale:
+            self.weight_sync()
+        return result

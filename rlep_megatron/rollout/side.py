@@ -1,0 +1,334 @@
+"""The rollout side: turns prompts into scored groups.
+
+Per training step, one named and timed call per phase:
+
+    rollout   G fresh responses per prompt from the rollout engine, each token tagged with
+              the policy version that sampled it
+    replay    M pool answers appended to each group that has a pool (G' = G + M)
+    reward    every response scored (replays too) + overlong shaping
+
+with DAPO's dynamic sampling (more generation rounds until a full batch of groups with signal)
+and online replay (the step's verified answers admitted to the pool after its replays were
+drawn) chosen when the side is built. How prompts reach the engine is the
+:class:`~rlep_megatron.rollout.scheduler.RolloutScheduler`'s: all of a step's at once
+(``trainer.max_staleness: 0``) or ahead of the weights that will train on them.
+
+Every rank holds the same global batch; reward scoring is split over all ranks.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from rlep_megatron import distributed
+from rlep_megatron.data.batch import FRESH, REPLAY, Sample, StepBatch
+
+logger = logging.getLogger(__name__)
+
+# the replay keys a run with M = 0 still writes (every run's keys, README.md "Metrics")
+REPLAY_KEYS_WITHOUT_REPLAY = ("replay/fraction", "replay/num_sequences", "replay/reward_mean")
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def load_training_data(cfg):
+    """``(train_rows, val_rows, pool)`` with every check of the files done: the training rows
+    (only those with a pool under ``replay.pooled_questions_only``), the deduplicated
+    validation rows or ``None``, and the experience pool (``None`` without replays)."""
+    from rlep_megatron.data.schema import read_prompt_files
+    from rlep_megatron.replay.pool import ExperiencePool, OnlinePool
+    from rlep_megatron.reward import check_rewards
+
+    train_rows = read_prompt_files(cfg.data.train_files)
+    val_rows = (read_prompt_files(cfg.data.val_files, deduplicate=True)
+                if cfg.data.val_files else None)
+    check_rewards({"data.train_files": train_rows,
+                   **({"data.val_files": val_rows} if val_rows else {})}, cfg.reward.function)
+    replay = cfg.replay
+    if replay.num_replays_per_prompt == 0:
+        return train_rows, val_rows, None
+    offline = ExperiencePool({})
+    if replay.mode != "online":
+        if replay.pool_files:
+            pool_rows = read_prompt_files(replay.pool_files)
+            source = ", ".join(replay.pool_files)
+        else:
+            pool_rows, source = train_rows, "the training files"
+        offline = ExperiencePool.from_rows(pool_rows)
+        if len(offline) == 0:
+            raise ValueError(f"replay.num_replays_per_prompt={replay.num_replays_per_prompt} "
+                             f"but {source} hold no reward_model.candidates; give "
+                             "replay.pool_files (an `rlep collect` output), use "
+                             "replay.mode=online or set replay.num_replays_per_prompt=0")
+        offline.check_matches(train_rows, source)
+    if replay.mode != "offline":
+        return train_rows, val_rows, OnlinePool(offline.answers,
+                                                replay.online_answers_per_question)
+    if replay.pooled_questions_only:
+        kept = offline.pooled_rows(train_rows)
+        if len(kept) < cfg.data.train_batch_size:
+            raise ValueError(
+                f"replay.pooled_questions_only keeps the {len(kept)} training rows whose "
+                f"question has pool answers, fewer than one batch of data.train_batch_size="
+                f"{cfg.data.train_batch_size}; collect a larger pool, lower the batch size or "
+                "set replay.pooled_questions_only=false")
+        if len(kept) < len(train_rows):
+            logger.info("replay.pooled_questions_only: training on the %d of %d training rows "
+                        "whose question has pool answers", len(kept), len(train_rows))
+            train_rows = train_rows.select(kept)
+    return train_rows, val_rows, offline
+
+
+class RolloutSide:
+    """Prompts in, scored groups out; see the module docstring."""
+
+    def __init__(self, cfg, scheduler, tokenizer, eos_token_id: int, train_rows, pool):
+        from rlep_megatron.data.sampler import PromptSampler
+        from rlep_megatron.replay.pool import OnlinePool, ReplaySampler
+        from rlep_megatron.reward import make_scorer_pool
+
+        self.cfg = cfg
+        self.scheduler = scheduler
+        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+        self.train_rows, self.pool = train_rows, pool
+        self.sampler = PromptSampler(len(train_rows), cfg.data.train_batch_size,
+                                     cfg.trainer.seed, cfg.data.shuffle, cfg.data.drop_last)
+        self.replay_sampler = (ReplaySampler(pool, cfg.replay.num_replays_per_prompt,
+                                             cfg.trainer.seed) if pool is not None else None)
+        self.online_pool = pool if isinstance(pool, OnlinePool) else None
+        self.scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers,
+                                       cfg.reward.timeout_s)
+        self._prompt_cache: dict[int, list[int]] = {}
+        self._make_batch = (self._dynamic_batch if cfg.algo.dynamic_sampling
+                            else self._plain_batch)
+        self.add_replays = self._replays if self.replay_sampler else (lambda batch, step: None)
+        self._candidates: list = []  # online replay: the step's groups, admitted after it
+        self.admitted = 0  # online replay: answers admitted by the latest step
+
+    # ------------------------------------------------------------------ the step
+
+    def next_batch(self, step: int, timer) -> StepBatch:
+        """The scored groups that training step ``step`` (the policy version being trained)
+        learns from."""
+        batch = self._make_batch(timer, step)
+        self._count_replays(batch)
+        self.admitted = self._admit_online(step)
+        return batch
+
+    def prompt_ids(self, rows, row: int) -> list[int]:
+        from rlep_megatron.data.prompts import tokenize_prompt
+
+        cache = self._prompt_cache if rows is self.train_rows else None
+        if cache is not None and row in cache:
+            return cache[row]
+        ids = tokenize_prompt(self.tokenizer, rows.messages[row],
+                              self.cfg.data.max_prompt_tokens).token_ids
+        if cache is not None:
+            cache[row] = ids
+        return ids
+
+    def seed(self, step: int, round_index: int) -> int:
+        """The engine seed of a step's generation round (the same in every mode)."""
+        return (self.cfg.trainer.seed * 1_000_003 + step) * 101 + round_index
+
+    def _generate_round(self, timer, step: int, round_index: int) -> StepBatch:
+        with timer.phase("rollout"):
+            rows, groups = self.scheduler.take(self, step, round_index)
+            batch = StepBatch(rows=rows,
+                              prompts=[self.prompt_ids(self.train_rows, r) for r in rows])
+            for group, responses in enumerate(groups):
+                for r in responses:
+                    batch.generated_tokens += len(r.token_ids)
+                    batch.sequences.append(Sample(group, r.token_ids, r.text, FRESH,
+                                                  r.logprobs, r.finish_reason,
+                                                  routing=r.routing, versions=r.versions))
+        with timer.phase("replay"):
+            self.add_replays(batch, step)
+        with timer.phase("reward"):
+            self.reward(batch)
+        if self.online_pool is not None:
+            # every round's groups, before dynamic sampling keeps some (or drops them all)
+            self._candidates += self._fresh_groups(batch)
+        return batch
+
+    def _plain_batch(self, timer, step: int) -> StepBatch:
+        return self._generate_round(timer, step, 0)
+
+    def _dynamic_batch(self, timer, step: int) -> StepBatch:
+        """Official DAPO dynamic sampling: keep whole groups whose accuracy varies, draw more
+        prompts (up to ``algo.max_generation_rounds`` rounds) until a full batch is kept."""
+        want = self.cfg.data.train_batch_size
+        kept = StepBatch(rows=[], prompts=[])
+        rounds = 0
+        while len(kept.rows) < want and rounds < self.cfg.algo.max_generation_rounds:
+            candidate = self._generate_round(timer, step, rounds)
+            kept.generated_tokens += candidate.generated_tokens
+            rounds += 1
+            by_group = candidate.groups()
+            for group, row in enumerate(candidate.rows):
+                members = by_group.get(group, [])
+                accs = {s.acc for s in members}
+                if len(accs) > 1 and len(kept.rows) < want:
+                    new_group = len(kept.rows)
+                    kept.rows.append(row)
+                    kept.prompts.append(candidate.prompts[group])
+                    for s in members:
+                        s.group = new_group
+                        kept.sequences.append(s)
+        partial_ok = bool(kept.rows) and self.cfg.algo.dynamic_sampling_partial_batch
+        if len(kept.rows) < want and not partial_ok:
+            # the DAPO reference stops here too (its "too many generation batches" error)
+            allow = ("" if not kept.rows else
+                     ", or algo.dynamic_sampling_partial_batch=true to train on them")
+            raise RuntimeError(
+                f"dynamic sampling kept {len(kept.rows)} of {want} groups in {rounds} rounds "
+                f"(algo.max_generation_rounds); every other group was all-correct or all-wrong. "
+                f"Raise algo.max_generation_rounds{allow}")
+        kept.generation_rounds = rounds
+        return kept
+
+    def _replays(self, batch: StepBatch, step: int) -> None:
+        from rlep_megatron.data.schema import prompt_key
+        from rlep_megatron.replay.pool import tokenize_replays
+
+        replays = []
+        online, weighted = self.online_pool, self.cfg.replay.online_low_pass_weight
+        for group, row in enumerate(batch.rows):
+            messages = self.train_rows.messages[row]
+            keep = 1.0
+            if weighted:  # toward the questions the policy failed at their last rollout
+                keep = 1.0 - online.pass_rate.get(prompt_key(messages), 0.0)
+            indices = self.replay_sampler.draw_indices(messages, keep_prob=keep)
+            answers = self.replay_sampler.pool.get(messages)
+            items = tokenize_replays([answers[i] for i in indices], self.tokenizer,
+                                     self.cfg.rollout.max_response_tokens, self.eos_token_id)
+            for index, item in zip(indices, items):
+                age = online.age(messages, index, step) if online is not None else None
+                replays.append(Sample(group, item.token_ids, item.text, REPLAY,
+                                      pool_index=index, age=age))
+        # each group: its G fresh responses, then its replays
+        by_group: dict[int, list[Sample]] = {}
+        for seq in batch.sequences + replays:
+            by_group.setdefault(seq.group, []).append(seq)
+        batch.sequences = [s for g in range(len(batch.rows)) for s in by_group.get(g, [])]
+
+    def reward(self, batch: StepBatch) -> None:
+        """Score every response (replays too); work split over all ranks."""
+        from rlep_megatron.reward import overlong_penalty
+        from rlep_megatron.reward.pool import ScoreRequest
+
+        rows, cfg = self.train_rows, self.cfg
+        requests = [ScoreRequest(rows.data_source[batch.rows[s.group]], s.text,
+                                 rows.ground_truth[batch.rows[s.group]])
+                    for s in batch.sequences]
+        for seq, result in zip(batch.sequences,
+                               distributed.map_across_ranks(self.scorer.score, requests)):
+            seq.score, seq.acc = float(result["score"]), bool(result["acc"])
+            seq.reward = seq.score + overlong_penalty(
+                len(seq.token_ids), cfg.rollout.max_response_tokens,
+                cfg.reward.overlong_buffer_tokens, cfg.reward.overlong_penalty_factor)
+
+    # ------------------------------------------------------------------ replay bookkeeping
+
+    def _count_replays(self, batch: StepBatch) -> None:
+        """Count the replays that made it into the step's batch (dynamic sampling may have
+        dropped the groups of others)."""
+        if self.replay_sampler is None:
+            return
+        for seq in batch.sequences:
+            if seq.source == REPLAY:
+                self.replay_sampler.record(self.train_rows.messages[batch.rows[seq.group]],
+                                           seq.pool_index)
+
+    @staticmethod
+    def _fresh_groups(batch: StepBatch) -> list[tuple[int, list[str], list[bool], list[bool]]]:
+        """Per group of a generation round: its row, and its fresh answers' texts, whether the
+        reward verified each and whether each ended by itself (not cut at the budget)."""
+        by_group: dict[int, list[Sample]] = {}
+        for seq in batch.sequences:
+            if seq.source == FRESH:
+                by_group.setdefault(seq.group, []).append(seq)
+        return [(batch.rows[group], [s.text for s in members], [s.acc for s in members],
+                 [s.finish_reason != "length" for s in members])
+                for group, members in sorted(by_group.items())]
+
+    def _admit_online(self, step: int) -> int:
+        """replay.mode online / both: the step's verified-correct fresh answers that ended by
+        themselves join their question's pool, after this step's replays were drawn; every
+        generation round counts (with dynamic sampling, the groups it dropped too)."""
+        if self.online_pool is None:
+            return 0
+        admitted = 0
+        for row, texts, correct, ended in self._candidates:
+            admitted += self.online_pool.admit(self.train_rows.messages[row], texts, correct,
+                                               step, ended=ended)
+        self._candidates = []
+        return admitted
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self, batch: StepBatch, step: int) -> dict[str, float]:
+        """The step's rollout and replay metrics (every rank holds the whole batch)."""
+        fresh = [s for s in batch.sequences if s.source == FRESH]
+        replay = [s for s in batch.sequences if s.source == REPLAY]
+        with_pool = {s.group for s in replay}
+        in_pool_groups = [s for s in batch.sequences if s.group in with_pool]
+        m = {
+            "rollout/reward_mean": _mean(s.reward for s in fresh),
+            "rollout/score_mean": _mean(s.score for s in fresh),
+            "rollout/acc_mean": _mean(s.acc for s in fresh),
+            "rollout/response_len_mean": _mean(len(s.token_ids) for s in fresh),
+            "rollout/response_len_max": float(max((len(s.token_ids) for s in fresh), default=0)),
+            "rollout/truncated_frac": _mean(s.finish_reason == "length" for s in fresh),
+            "rollout/generation_rounds": float(batch.generation_rounds),
+            "rollout/num_groups": float(len(batch.rows)),
+            "replay/fraction": (len(replay) / len(in_pool_groups)) if in_pool_groups else 0.0,
+            "replay/num_sequences": float(len(replay)),
+            "replay/groups_with_pool": float(len(with_pool)),
+            "replay/reward_mean": _mean(s.reward for s in replay),
+            "replay/acc_mean": _mean(s.acc for s in replay),
+            "replay/response_len_mean": _mean(len(s.token_ids) for s in replay),
+            "advantage/mean/fresh": _mean(s.advantage for s in fresh),
+            "advantage/mean/replay": _mean(s.advantage for s in replay),
+        }
+        m.update(staleness_metrics(fresh, step))
+        if self.replay_sampler is not None:
+            m.update({f"replay/{k}": v
+                      for k, v in self.replay_sampler.replay_counts_summary().items()})
+            m["replay/pool_questions"] = float(len(self.pool))
+            m["replay/pool_answers"] = float(sum(map(len, self.pool.answers.values())))
+        if self.online_pool is not None:
+            m["replay/online_admitted"] = float(self.admitted)
+            m["replay/online_answers"] = float(self.online_pool.num_online_answers())
+            m["replay/online_age_mean"] = _mean(s.age for s in replay if s.age is not None)
+            m["replay/age_mean"] = m["replay/online_age_mean"]
+        return m
+
+    # ------------------------------------------------------------------ checkpoint state
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict(),
+                "replay_sampler": (self.replay_sampler.state_dict()
+                                   if self.replay_sampler else None)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        if self.replay_sampler is not None and state["replay_sampler"] is not None:
+            self.replay_sampler.load_state_dict(state["replay_sampler"])
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+def staleness_metrics(fresh: list[Sample], step: int) -> dict[str, float]:
+    """``rollout/staleness_mean`` / ``_max`` over the step's fresh tokens (versions behind the
+    policy being trained) and ``rollout/carried_over_frac``, the share of fresh responses with
+    tokens of an older version."""
+    stale = [step - v for s in fresh for v in s.token_versions()]
+    return {"rollout/staleness_mean": _mean(stale),
+            "rollout/staleness_max": float(max(stale, default=0)),
+            "rollout/carried_over_frac": _mean(any(v < step for v, _ in s.versions)
+                                               for s in fresh)}
