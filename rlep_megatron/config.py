@@ -144,6 +144,13 @@ class RolloutConfig:
     """Release vLLM weights/KV cache during training (GPU only; skipped on CPU)."""
     weight_sync_bucket_bytes: int = 512 * 1024 * 1024
     """Bucket size of the Megatron -> vLLM weight stream."""
+    carry_over: Literal["resume", "restart"] = "resume"
+    """With ``trainer.max_staleness >= 1``, what becomes of a request still generating when the
+    weights change. ``resume``: it leaves the engine and comes back with its tokens so far as
+    part of its prompt, so the rest is sampled (and its KV cache recomputed) under the new
+    weights; the tokens it had keep the version and log-prob that sampled them. ``restart``:
+    its tokens are dropped and it starts over under the new weights (less stale data, more
+    generation). docs/ASYNC.md."""
 
     def __post_init__(self):
         if self.num_samples_per_prompt < 1:
@@ -167,6 +174,9 @@ class RolloutConfig:
         if self.weight_sync_bucket_bytes < 1:
             raise ValueError("rollout.weight_sync_bucket_bytes must be >= 1 (bytes per bucket "
                              f"of the weight stream), got {self.weight_sync_bucket_bytes}")
+        if self.carry_over not in ("resume", "restart"):
+            raise ValueError(f"rollout.carry_over must be resume or restart, got "
+                             f"{self.carry_over!r}")
 
 
 @dataclass(frozen=True)
@@ -583,6 +593,18 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
+
+    def __post_init__(self):
+        staleness = self.trainer.max_staleness
+        if staleness and self.algo.dynamic_sampling:
+            raise ValueError(f"trainer.max_staleness={staleness} with algo.dynamic_sampling: "
+                             "a step generated ahead cannot know how many rounds it needs; "
+                             "use trainer.max_staleness=0 with dynamic sampling")
+        if staleness and self.algo.routing_replay == "rollout":
+            raise ValueError(f"trainer.max_staleness={staleness} with algo.routing_replay="
+                             "rollout: the engine's experts are captured per blocking "
+                             "generate call; use algo.routing_replay=actor (or off), or "
+                             "trainer.max_staleness=0")
 
 
 CONFIG_FILE_NAME = "config.yaml"

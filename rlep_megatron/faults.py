@@ -1,6 +1,7 @@
 """Test-only fault injection: ``RLEP_FAULT_INJECT=<phase>:<rank>`` makes the trainer raise
 :class:`InjectedFault` when global rank ``<rank>`` enters ``<phase>`` (the phase names of the
-``timing/<phase>_s`` metrics). Used by the tests that check a failure on one rank ends the
+``timing/<phase>_s`` metrics, and ``engine_step``: every step of the request-level rollout
+engine of ``trainer.max_staleness >= 1``, in the middle of a rollout). Used by the tests that check a failure on one rank ends the
 whole job promptly; unset in normal runs, where :func:`check` is one dictionary lookup.
 """
 from __future__ import annotations
@@ -9,7 +10,7 @@ import os
 
 ENV = "RLEP_FAULT_INJECT"
 PHASES = ("rollout", "replay", "reward", "advantage", "old_logprob", "train", "weight_sync",
-          "validate", "checkpoint")
+          "validate", "checkpoint", "engine_step")
 
 
 class InjectedFault(RuntimeError):

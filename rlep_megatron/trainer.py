@@ -165,6 +165,7 @@ class Trainer:
         with timer.phase("weight_sync"):
             self.learner.weight_sync()
         metrics = self.step_metrics(batch, train, old_metrics)
+        metrics.update(self.scheduler.tail_metrics())
         self.step += 1
         metrics.update(timer.values)
         metrics["timing/step_s"] = time.perf_counter() - step_start

@@ -303,13 +303,8 @@ class RolloutEngine:
                               max_tokens=max_tokens, seed=seed, logprobs=0, flat_logprobs=True,
                               detokenize=False)
 
-    def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
-                 temperature: Optional[float] = None, top_p: Optional[float] = None,
-                 top_k: Optional[int] = None, max_tokens: Optional[int] = None,
-                 seed: int = 0) -> list[list[Response]]:
-        """Sample ``n`` responses for every prompt (token ids; the same list on every rank).
-        Defaults come from the rollout config. Returns, on every rank, one list of ``n``
-        responses per prompt, in prompt order."""
+    def check_ready(self) -> None:
+        """Refuse to generate from stale or released weights; bring the KV cache back."""
         if self._stale_reason is not None:
             raise StaleWeightsError(
                 f"refusing to generate: the engine's weights are stale because "
@@ -317,6 +312,15 @@ class RolloutEngine:
         if self._asleep:
             raise RuntimeError("refusing to generate: the engine is asleep (call wake_up)")
         self._wake_kv_cache()
+
+    def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
+                 temperature: Optional[float] = None, top_p: Optional[float] = None,
+                 top_k: Optional[int] = None, max_tokens: Optional[int] = None,
+                 seed: int = 0) -> list[list[Response]]:
+        """Sample ``n`` responses for every prompt (token ids; the same list on every rank).
+        Defaults come from the rollout config. Returns, on every rank, one list of ``n``
+        responses per prompt, in prompt order."""
+        self.check_ready()
         cfg = self.cfg
         n = cfg.num_samples_per_prompt if n is None else n
         temperature = cfg.temperature if temperature is None else temperature

@@ -3,10 +3,23 @@
 :class:`SynchronousScheduler` (``trainer.max_staleness: 0``): a step's prompts are drawn and
 generated in one blocking call under the weights that will then train on them; every token is
 0 versions stale.
+
+:class:`AheadScheduler` (``trainer.max_staleness: k >= 1``): when step ``t`` starts, the
+batches of steps ``t .. t + k`` are on the engine (each drawn from the prompt sampler in order,
+as the synchronous loop would draw it). The engine steps until every response of batch ``t`` has
+finished; batch ``t + 1 .. t + k``'s requests run alongside, so the engine keeps a full batch
+while batch ``t``'s longest responses finish. At the weight update their unfinished requests
+leave the engine and come back after it (``rollout.carry_over``). The gate is "wait": a step
+trains only its own batch, complete, so a token sampled by version ``v`` is trained at the
+latest at step ``v + k``: never more than k versions stale.
+
+Checkpoints are drain points: no batch is started beyond a step that ends at a checkpoint, so
+nothing is in flight when one is written, and a resumed run starts from the same (empty) engine
+state as the straight run did. The price is that the step before a checkpoint runs synchronously.
 """
 from __future__ import annotations
 
-from rlep_megatron.rollout.engine import Response
+from rlep_megatron.rollout.engine import Response, request_seed
 
 
 class SynchronousScheduler:
@@ -28,11 +41,71 @@ class SynchronousScheduler:
     def pause(self) -> None:
         """Before the weights change: nothing is in flight between steps."""
 
-    def resume(self, version: int) -> None:
-        """After the weights changed to ``version``."""
-
-    def drain_before(self, step: int) -> None:
-        """Step ``step`` ends at a checkpoint: nothing may be in flight after it."""
-
-    def state_dict(self) -> dict:
+    def tail_metrics(self) -> dict[str, float]:
         return {}
+
+
+class AheadScheduler:
+    """Keep the next ``max_staleness`` steps' prompts generating (see the module docstring)."""
+
+    def __init__(self, engine, cfg, ends_at_checkpoint, max_staleness=None):
+        from rlep_megatron.rollout.requests import EngineRequests
+
+        self.engine, self.cfg = engine, cfg
+        self.max_staleness = (cfg.trainer.max_staleness if max_staleness is None
+                              else max_staleness)
+        self.ends_at_checkpoint = ends_at_checkpoint
+        self.requests = EngineRequests(engine, cfg.rollout)
+        self.batches: dict[int, list[int]] = {}  # step -> rows of its batch, submitted
+        self.paused = False
+
+    def _submit(self, side, step: int) -> None:
+        """Draw batch ``step`` and start this replica's share of its responses."""
+        rows = side.sampler.next_global_batch()
+        prompts = [side.prompt_ids(side.train_rows, r) for r in rows]
+        cfg = self.cfg.rollout
+        n = cfg.num_samples_per_prompt
+        base = side.seed(step, 0)
+        for index in self.engine.share(prompts, n, cfg.max_response_tokens):
+            for sample in range(n):
+                self.requests.submit((step, index, sample), prompts[index],
+                                     request_seed(base, index, n) + sample)
+        self.batches[step] = rows
+
+    def take(self, side, step: int, round_index: int) -> tuple[list[int], list[list[Response]]]:
+        """``(rows, responses per row)`` of step ``step``'s batch, once all of it finished."""
+        if round_index:
+            raise RuntimeError("trainer.max_staleness >= 1 takes one generation round per "
+                               "step (algo.dynamic_sampling is refused up front)")
+        if self.paused:
+            self.requests.resume(step)
+            self.paused = False
+        else:
+            self.requests.version = step
+        last = step
+        while last < step + self.max_staleness and not self.ends_at_checkpoint(last):
+            last += 1
+        for ahead in range(step, last + 1):
+            if ahead not in self.batches:
+                self._submit(side, ahead)
+        self.requests.run_until(lambda: self.requests.finished(step))
+        rows = self.batches.pop(step)
+        local = self.requests.take(step, self.engine.llm.get_tokenizer())
+        return rows, self.engine._all_gather(local, len(rows))
+
+    def pause(self) -> None:
+        """Before the weights change: requests in flight leave the engine."""
+        self.requests.pause(self.cfg.rollout.carry_over)
+        self.paused = True
+
+    def tail_metrics(self) -> dict[str, float]:
+        """Since the last call: the share of engine time spent with at most a quarter of the
+        largest number of requests running (the long tail), and the engine steps taken."""
+        log, self.requests.step_log = self.requests.step_log, []
+        if not log:
+            return {}
+        peak = max(running for running, _ in log)
+        total = sum(seconds for _, seconds in log)
+        tail = sum(seconds for running, seconds in log if running <= peak / 4)
+        return {"rollout/long_tail_time_frac": tail / total if total > 0 else 0.0,
+                "rollout/engine_steps": float(len(log))}

@@ -26,6 +26,10 @@ def task(tmp_path_factory):
     # the last pipeline stage fails; the first waits in recv_backward
     ("train", 1, ["parallel.pipeline_model_parallel_size=2"]),
     ("checkpoint", 1, []),
+    # one-step-off rollout: a replica fails inside the request-level engine loop while the
+    # other steps its own; and a failure in the update while requests wait to be carried over
+    ("engine_step", 1, ["trainer.max_staleness=1"]),
+    ("train", 0, ["trainer.max_staleness=1", "parallel.tensor_model_parallel_size=2"]),
 ])
 def test_a_failing_rank_ends_the_job(tiny_qwen2_dir, task, tmp_path, phase, rank, layout):
     out = tmp_path / "run"

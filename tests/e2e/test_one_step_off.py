@@ -1,0 +1,104 @@
+"""``trainer.max_staleness >= 1`` end to end on CPU (RLEP with a pool, 2 ranks, two rollout
+replicas): the staleness every step reports stays within the bound and is really there, and a
+run killed with SIGKILL between two checkpoints resumes to exactly the straight run."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests import requires
+from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool, run_rlep,
+                               small_task, train_overrides)
+from tests.e2e.test_sync_equivalence import weights_digest
+from tests.torchrun import REPO_ROOT, _env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+requires("vllm")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, tiny_qwen2_dir):
+    task = small_task(str(tmp_path_factory.mktemp("task")))
+    pool = reference_pool(task, str(tmp_path_factory.mktemp("pool") / "pool.parquet"))
+    return tiny_qwen2_dir, task, pool
+
+
+def args_for(inputs, out, steps, *extra):
+    hf_dir, task, pool = inputs
+    return ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+            *train_overrides(hf_dir, task, str(out), steps=steps),
+            f"replay.pool_files=[{pool}]", "replay.num_replays_per_prompt=2",
+            "algo.rollout_correction=truncate", *extra]
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_every_token_is_within_the_staleness_bound(staleness, inputs, tmp_path):
+    """Checkpoints only at the end: no token is more than ``staleness`` versions old, and
+    batches generated ahead really are. The untrained model never stops before its budget, so
+    every response of a batch ends in the same engine step: the batches ahead finish with the
+    step's own, the next step finds its batch done and the one after starts fresh. Stale
+    batches then come every other step at staleness 1, two in three at 2 (the learning test,
+    whose responses end unevenly, sees them on most steps)."""
+    out = tmp_path / "run"
+    run_rlep(args_for(inputs, out, 6, f"trainer.max_staleness={staleness}",
+                      "checkpoint.save_interval_steps=0"), nproc=2)
+    entries = read_jsonl(out / "metrics.jsonl")[1:]
+    assert [e["step"] for e in entries] == [1, 2, 3, 4, 5, 6]
+    for entry in entries:
+        for key in CONTRACT_KEYS:
+            assert key in entry, key
+        assert 0 <= entry["rollout/staleness_mean"] <= entry["rollout/staleness_max"] <= staleness
+    stale = [e["rollout/staleness_max"] for e in entries]
+    expected = [0, 1, 0, 1, 0, 1] if staleness == 1 else [0, 1, 2, 0, 1, 2]
+    assert stale == expected
+    # the behaviour log-prob of a stale token is the older version's: the engine/actor gap is
+    # on those tokens, not on the current version's
+    carried = [e for e in entries if e["rollout/carried_over_frac"] > 0]
+    assert carried and all(e["rollout/logprob_abs_diff/carried"] > 1e-3 for e in carried)
+    assert all(e["rollout/logprob_abs_diff/current"] <= 1e-4 for e in entries)
+
+
+def test_a_run_killed_between_checkpoints_resumes_to_the_straight_run(inputs, tmp_path):
+    """One step off, checkpoints every 2 steps: the straight run, and the same run killed
+    (SIGKILL to every process) once step 3 is logged, then started again: it resumes from
+    step 2 and ends with the straight run's metrics and weights."""
+    straight = tmp_path / "straight"
+    run_rlep(args_for(inputs, straight, 6, "trainer.max_staleness=1"), nproc=2)
+    killed = tmp_path / "killed"
+    args = args_for(inputs, killed, 6, "trainer.max_staleness=1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", "-m", "rlep_megatron.cli", *args]
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(None), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    metrics = killed / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and any(e["step"] == 3 for e in read_jsonl(metrics)):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    # torchrun starts each worker in a session of its own: every descendant, then torchrun
+    family = psutil.Process(proc.pid).children(recursive=True)
+    for process in family:
+        process.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(family, timeout=30)
+    assert not (killed / "checkpoints" / "step_00000004").exists()
+    resumed = run_rlep(args, nproc=2)
+    log = resumed.stdout + resumed.stderr
+    assert "step_00000002 (step 2)" in log, [line for line in log.splitlines() if "resum" in line]
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(killed / "metrics.jsonl")
+    assert [e["step"] for e in b] == [0, 1, 2, 3, 4, 5, 6]
+    for x, y in zip(a, b):
+        x = {k: v for k, v in x.items() if not k.startswith("timing/")}
+        y = {k: v for k, v in y.items() if not k.startswith("timing/")}
+        assert x == y, x["step"]
+    assert any(e.get("rollout/staleness_max", 0) > 0 for e in b[3:])
+    assert (weights_digest(str(straight / "checkpoints" / "step_00000006" / "dist"))
+            == weights_digest(str(killed / "checkpoints" / "step_00000006" / "dist")))
