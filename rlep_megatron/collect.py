@@ -29,18 +29,36 @@ from rlep_megatron.staging import write_file_atomic
 
 logger = logging.getLogger(__name__)
 
-SHARD_FORMAT = 3
+SHARD_FORMAT = 4
 
 
 def correct_answers(texts: list[str], correct: list[bool], distinct: bool) -> tuple[list[str], int]:
     """One question's pool answers and its number of correct samples: the correct texts in
     sampling order (duplicates kept unless ``distinct``) and how many samples were correct
     (duplicates always count)."""
-    kept = [text for text, ok in zip(texts, correct) if ok]
-    count = len(kept)
-    if distinct:
-        kept = list(dict.fromkeys(kept))
-    return kept, count
+    kept = [texts[i] for i in correct_indices(texts, correct, distinct)]
+    return kept, sum(map(bool, correct))
+
+
+def correct_indices(texts: list[str], correct: list[bool], distinct: bool) -> list[int]:
+    """The samples :func:`correct_answers` keeps, by index (the first of equal texts when
+    ``distinct``)."""
+    kept, seen = [], set()
+    for index, (text, ok) in enumerate(zip(texts, correct)):
+        if ok and not (distinct and text in seen):
+            kept.append(index)
+            seen.add(text)
+    return kept
+
+
+def checkpoint_version(checkpoint: str) -> Optional[int]:
+    """The training step of a training checkpoint (its policy version); ``None`` for an HF
+    directory."""
+    meta = os.path.join(checkpoint, "meta.json")
+    if not os.path.isfile(meta):
+        return None
+    with open(meta) as f:
+        return int(json.load(f)["step"])
 
 
 def _shard_ranges(num_questions: int, num_shards: int) -> list[range]:
@@ -84,6 +102,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
     check_rewards({"data.train_files": rows}, cfg.reward.function)
     checkpoint = resolve_checkpoint(c.checkpoint or cfg.model.hf_dir)
     checkpoint_kind(checkpoint)
+    version = checkpoint_version(checkpoint)
     out = c.output_file or os.path.join(cfg.trainer.output_dir, "pool.parquet")
     if os.path.exists(out):
         raise FileExistsError(f"pool {out} already exists; remove it or set collect.output_file")
@@ -124,16 +143,21 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
             results = iter(map_across_ranks(scorer.score, requests))
             # per question: its correct texts (sampling order) and how many of its samples
             # were correct; min_correct counts the latter (docs/ALGORITHM.md section 1)
-            correct, counts = [], []
+            correct, counts, behaviour = [], [], []
             for responses in groups:
-                texts, count = correct_answers([resp.text for resp in responses],
-                                               [bool(next(results)["acc"]) for _ in responses],
-                                               c.distinct_texts)
-                correct.append(texts)
-                counts.append(count)
+                texts = [resp.text for resp in responses]
+                flags = [bool(next(results)["acc"]) for _ in responses]
+                kept = correct_indices(texts, flags, c.distinct_texts)
+                correct.append([texts[i] for i in kept])
+                counts.append(sum(flags))
+                # what the sampling policy gave each kept answer: replay.correction's input
+                behaviour.append([{"token_ids": responses[i].token_ids,
+                                   "logprobs": responses[i].logprobs, "version": version}
+                                  for i in kept])
             if rank0:
                 write_file_atomic(path, json.dumps({"rows": list(indices), "correct": correct,
-                                                    "correct_counts": counts}))
+                                                    "correct_counts": counts,
+                                                    "behaviour": behaviour}))
             distributed.barrier()
             done += 1
             logger.info("shard %d/%d: %d questions, %d with >= %d correct answers", number + 1,
@@ -144,16 +168,18 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
                 return out
         if rank0:
             candidates: list[list[str]] = [[] for _ in range(len(rows))]
+            behaviour: list[list] = [[] for _ in range(len(rows))]
             correct_counts = [0] * len(rows)
             for number in range(len(shards)):
                 with open(os.path.join(shard_dir, f"shard_{number:05d}.json")) as f:
                     shard = json.load(f)
-                for row, texts, count in zip(shard["rows"], shard["correct"],
-                                             shard["correct_counts"]):
-                    candidates[row], correct_counts[row] = texts, count
+                for row, texts, count, entries in zip(shard["rows"], shard["correct"],
+                                                      shard["correct_counts"],
+                                                      shard["behaviour"]):
+                    candidates[row], correct_counts[row], behaviour[row] = texts, count, entries
             num_correct = sum(correct_counts)
             pool = pool_rows(rows, candidates, min_correct=c.min_correct,
-                             correct_counts=correct_counts)
+                             correct_counts=correct_counts, behaviour=behaviour)
             stats = write_pool(pool, out, tokenizer=tokenizer, extra={
                 "training_questions": len(rows), "samples_per_question": c.num_samples_per_prompt,
                 "min_correct": c.min_correct, "temperature": c.temperature, "top_p": c.top_p,

@@ -208,8 +208,20 @@ class ReplayConfig:
     """Online modes: a group gets its replays with probability 1 - (its question's pass rate
     at its previous rollout), so replay goes to the questions the policy still fails (a
     question not rolled out before always gets them)."""
+    correction: Literal["none", "truncate", "mask"] = "none"
+    """How a replayed answer's tokens are weighed against the policy that wrote it, where the
+    pool holds that policy's log-probs of them (its optional behaviour columns, written by
+    ``rlep collect`` and by online replay): ``none`` (the paper's treatment: weight 1, the
+    ratio starts at 1), ``truncate`` (each token weighted by min(p_actor / p_behaviour,
+    ``algo.rollout_correction_threshold``)) or ``mask`` (tokens, or sequences, outside
+    [1/threshold, threshold] leave the loss), at ``algo.rollout_correction_level``: the
+    rollout correction of fresh tokens applied to replays. Replays without those columns, or
+    whose re-tokenised text differs from the tokens sampled, keep weight 1."""
 
     def __post_init__(self):
+        if self.correction not in ("none", "truncate", "mask"):
+            raise ValueError(f"replay.correction must be none, truncate or mask, got "
+                             f"{self.correction!r}")
         if self.num_replays_per_prompt < 0:
             raise ValueError("replay.num_replays_per_prompt must be >= 0, got "
                              f"{self.num_replays_per_prompt}")

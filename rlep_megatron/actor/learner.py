@@ -154,7 +154,8 @@ class LearningSide:
         # a mixture-of-experts actor: how evenly the old-log-prob pass routes the step's tokens
         with ExpertLoad(self.chunks) as load:
             parts = [train_batch(self.cfg.algo, seqs, placeholder, tensors,
-                                 [len(batch.prompts[s.group]) for s in seqs], version)
+                                 [len(batch.prompts[s.group]) for s in seqs], version,
+                                 self.cfg.replay.correction)
                      for seqs, placeholder, tensors in old_logprob_pass(self, batch, plan, load)]
         dp_group = ps.get_data_parallel_group()
         sums = distributed.reduce_values({k: sum(p[1][k] for p in parts) for k in parts[0][1]},
@@ -183,8 +184,8 @@ class LearningSide:
             **load.metrics(engine_routing=self.engine.capturing_routing),
         }
         # the gap by where the behaviour log-prob comes from: the version being trained, an
-        # older one (one-step-off rollout)
-        for part in ("current", "carried"):
+        # older one (one-step-off rollout), the policy that wrote a replayed answer
+        for part in ("current", "carried", "replay"):
             tokens = sums[f"parity_{part}_tokens"]
             metrics[f"rollout/logprob_abs_diff/{part}"] = (
                 sums[f"parity_{part}"] / tokens if tokens > 0 else 0.0)
@@ -196,6 +197,9 @@ class LearningSide:
                 "rollout/correction_token_frac": sums["correction_tokens"] / rollout_tokens,
                 "rollout/correction_seq_frac": (sums["correction_seqs"]
                                                 / max(sums["rollout_seqs"], 1.0))})
+        if "replay_correction_tokens" in sums:
+            metrics["replay/correction_token_frac"] = (
+                sums["replay_correction_tokens"] / max(sums["parity_replay_tokens"], 1.0))
         if self.reference is not None:
             metrics["train/ref_logp_abs_diff_max"] = maxima["ref_logp_abs_diff"]
         return metrics

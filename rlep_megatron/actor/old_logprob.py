@@ -151,7 +151,7 @@ def stale_token_mask(seqs: list[Sample], starts: list[int], like: torch.Tensor,
 
 
 def train_batch(algo, seqs: list[Sample], placeholder: bool, tensors, starts: list[int],
-                version: int):
+                version: int, replay_correction: str = "none"):
     """A mini-batch's slice on this DP rank as the actor trains it, with the old log-probs of
     :func:`old_logprob_pass`, plus this slice's sums and maxima for the step's metrics (reduced
     over DP ranks by :meth:`LearningSide.old_logprob`). ``starts``: each sequence's prompt
@@ -160,7 +160,9 @@ def train_batch(algo, seqs: list[Sample], placeholder: bool, tensors, starts: li
 
     The rollout correction's behaviour log-prob of a fresh token is the one the engine
     recorded when it sampled it, under the version its span names: with one-step-off rollout
-    a carried-over response mixes versions, and each token is weighed against its own."""
+    a carried-over response mixes versions, and each token is weighed against its own. A
+    replay's is the pool's (the policy that wrote it), weighed by ``replay_correction``
+    (``replay.correction``) where the pool has it."""
     from rlep_megatron.actor.train_step import TrainBatch
     from rlep_megatron.algo import mismatch_kl, rollout_correction_weights, rollout_loss_mask
     from rlep_megatron.data.batch import FRESH, REPLAY
@@ -195,11 +197,28 @@ def train_batch(algo, seqs: list[Sample], placeholder: bool, tensors, starts: li
         sums[f"tokens_{name}"] = float(part.sum())
         maxima[f"nll_max_{name}"] = float((nll * part).max()) if part.any() else 0.0
     sums.update(_version_sums(seqs, starts, old, rollout_logp, rollout_mask, fresh, version))
+    token_weights = weights.float() if algo.rollout_correction != "off" else None
+    loss_mask = rollout_loss_mask(algo.rollout_correction, changed)
+    # replays with the pool's behaviour log-probs: their mismatch, and replay.correction
+    replays = [row for row, s in enumerate(seqs)
+               if s.source == REPLAY and s.engine_logprobs and not placeholder]
+    replay_logp, replay_mask = behaviour_logprobs(seqs, starts, old, replays)
+    gap = (old.to(torch.float64) - replay_logp.to(torch.float64)).abs() * replay_mask
+    sums["parity_replay"], sums["parity_replay_tokens"] = float(gap.sum()), float(
+        replay_mask.sum())
+    if replay_correction != "none":
+        replay_weights, replay_changed = rollout_correction_weights(
+            old, replay_logp, replay_mask, replay_correction, algo.rollout_correction_level,
+            algo.rollout_correction_threshold)
+        # fresh and replayed rows are disjoint, and each weight is 1 off its own rows
+        token_weights = replay_weights.float() * (1.0 if token_weights is None
+                                                  else token_weights)
+        replay_loss_mask = rollout_loss_mask(replay_correction, replay_changed)
+        if replay_loss_mask is not None:
+            loss_mask = replay_loss_mask if loss_mask is None else loss_mask * replay_loss_mask
+        sums["replay_correction_tokens"] = float(replay_changed.sum())
     train = TrainBatch(ids, mask, old, torch.tensor([s.advantage for s in seqs]), is_replay,
-                       ref_logp=ref,
-                       token_weights=(weights.float() if algo.rollout_correction != "off"
-                                      else None),
-                       loss_mask=rollout_loss_mask(algo.rollout_correction, changed),
+                       ref_logp=ref, token_weights=token_weights, loss_mask=loss_mask,
                        routing=routing)
     return train, sums, maxima
 

@@ -24,13 +24,19 @@ import pyarrow.parquet as pq
 MESSAGE_TYPE = pa.struct([("content", pa.string()), ("role", pa.string())])
 PROMPT_TYPE = pa.list_(MESSAGE_TYPE)
 CANDIDATES_TYPE = pa.list_(pa.string())
+# optional, one entry per candidate (null where unknown): the tokens the behaviour policy
+# sampled, its log-prob of each, and the policy version (training step) that sampled it
+BEHAVIOUR_TYPES = {"candidate_token_ids": pa.list_(pa.list_(pa.int32())),
+                   "candidate_logprobs": pa.list_(pa.list_(pa.float32())),
+                   "candidate_versions": pa.list_(pa.int64())}
 
 EXPECTED = {
     "data_source": "string",
     "prompt": "list<struct<content: string, role: string>>",
     "ability": "string",
     "reward_model": "struct<ground_truth: string, style: string, candidates: list<string> "
-                    "(optional)>",
+                    "(optional), candidate_token_ids: list<list<int>>, candidate_logprobs: "
+                    "list<list<float>>, candidate_versions: list<int> (optional)>",
     "extra_info": "struct<index: string, ...>",
 }
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -78,6 +84,19 @@ def validate_schema(schema: pa.Schema, path: str) -> bool:
         if not (_is_list(ctype) and _is_string(ctype.value_type)):
             raise ValueError(f"{path}: 'reward_model.candidates' has type {ctype}; expected "
                              "list<string>")
+    for name in BEHAVIOUR_TYPES:
+        index = reward.get_field_index(name)
+        if index >= 0:
+            value = reward.field(index).type
+            depth = 0
+            while _is_list(value):
+                value, depth = value.value_type, depth + 1
+            numeric = pa.types.is_integer(value) or pa.types.is_floating(value)
+            if candidates < 0 or not numeric or depth != (1 if name == "candidate_versions"
+                                                          else 2):
+                raise ValueError(f"{path}: 'reward_model.{name}' has type "
+                                 f"{reward.field(index).type}; expected "
+                                 f"{BEHAVIOUR_TYPES[name]} next to reward_model.candidates")
     if "ability" in names and not _is_string(schema.field("ability").type):
         raise _wrong(path, "ability", schema.field("ability").type)
     if "extra_info" in names and not pa.types.is_struct(schema.field("extra_info").type):
@@ -94,6 +113,9 @@ class PromptRows:
     ground_truth: list[str] = field(default_factory=list)
     candidates: list[Optional[list[str]]] = field(default_factory=list)
     index: list[str] = field(default_factory=list)
+    behaviour: list[Optional[list[Optional[dict]]]] = field(default_factory=list)
+    """Per row, per candidate: ``{"token_ids", "logprobs", "version"}`` of the policy that
+    sampled it, or ``None`` (a pool without the optional columns: all ``None``)."""
 
     def __len__(self) -> int:
         return len(self.data_source)
@@ -102,8 +124,10 @@ class PromptRows:
         return prompt_key(self.messages[row])
 
     def select(self, rows: Sequence[int]) -> "PromptRows":
+        behaviour = self.behaviour or [None] * len(self)
         return PromptRows(*([getattr(self, name)[r] for r in rows] for name in
-                            ("data_source", "messages", "ground_truth", "candidates", "index")))
+                            ("data_source", "messages", "ground_truth", "candidates", "index")),
+                          behaviour=[behaviour[r] for r in rows])
 
     def deduplicate(self) -> "PromptRows":
         """First occurrence of every distinct prompt (the public DAPO file repeats each ~100x)."""
@@ -143,6 +167,7 @@ def read_prompt_file(path: str) -> PromptRows:
     rows.ground_truth = reward.field("ground_truth").to_pylist()
     rows.candidates = (reward.field("candidates").to_pylist() if has_candidates
                        else [None] * len(rows.data_source))
+    rows.behaviour = _read_behaviour(reward, rows.candidates, path)
     if "extra_info" in columns:
         info = table.column("extra_info").combine_chunks()
         index = (info.field("index").to_pylist() if info.type.get_field_index("index") >= 0
@@ -159,6 +184,35 @@ def read_prompt_file(path: str) -> PromptRows:
     return rows
 
 
+def _read_behaviour(reward, candidates, path: str) -> list:
+    """The optional behaviour columns as per-candidate dicts (``None`` where absent)."""
+    present = [name for name in BEHAVIOUR_TYPES if reward.type.get_field_index(name) >= 0]
+    if not present:
+        return [None] * len(candidates)
+    columns = {name: reward.field(name).to_pylist() for name in present}
+    out = []
+    for row, texts in enumerate(candidates):
+        if texts is None:
+            out.append(None)
+            continue
+        values = {name: columns[name][row] or [None] * len(texts) for name in present}
+        if any(len(v) != len(texts) for v in values.values()):
+            raise ValueError(f"{path}: row {row} has {len(texts)} candidates but behaviour "
+                             f"columns of other lengths ({ {k: len(v) for k, v in values.items()} })")
+        entries = []
+        for i in range(len(texts)):
+            ids = values.get("candidate_token_ids", [None] * len(texts))[i]
+            logprobs = values.get("candidate_logprobs", [None] * len(texts))[i]
+            version = values.get("candidate_versions", [None] * len(texts))[i]
+            if ids is not None and logprobs is not None and len(ids) != len(logprobs):
+                raise ValueError(f"{path}: row {row}, candidate {i}: {len(ids)} token ids but "
+                                 f"{len(logprobs)} log-probs")
+            entries.append(None if ids is None and logprobs is None and version is None else
+                           {"token_ids": ids, "logprobs": logprobs, "version": version})
+        out.append(entries)
+    return out
+
+
 def read_prompt_files(paths: Sequence[str], deduplicate: bool = False) -> PromptRows:
     """Read and concatenate files; optionally keep the first occurrence of each prompt."""
     if not paths:
@@ -166,7 +220,8 @@ def read_prompt_files(paths: Sequence[str], deduplicate: bool = False) -> Prompt
     merged = PromptRows()
     for path in paths:
         part = read_prompt_file(path)
-        for name in ("data_source", "messages", "ground_truth", "candidates", "index"):
+        for name in ("data_source", "messages", "ground_truth", "candidates", "index",
+                     "behaviour"):
             getattr(merged, name).extend(getattr(part, name))
     return merged.deduplicate() if deduplicate else merged
 
@@ -180,11 +235,21 @@ def rows_to_table(rows: PromptRows, ability: str = "MATH", style: str = "rule-la
     reward_fields = [("ground_truth", pa.string()), ("style", pa.string())]
     if with_candidates:
         reward_fields.append(("candidates", CANDIDATES_TYPE))
+    behaviour = rows.behaviour or [None] * len(rows)
+    with_behaviour = with_candidates and any(
+        entry is not None for entries in behaviour for entry in (entries or []))
+    if with_behaviour:
+        reward_fields += list(BEHAVIOUR_TYPES.items())
     reward_values = []
-    for truth, candidates in zip(rows.ground_truth, rows.candidates):
+    for truth, candidates, entries in zip(rows.ground_truth, rows.candidates, behaviour):
         value = {"ground_truth": truth, "style": style}
         if with_candidates:
             value["candidates"] = list(candidates or [])
+        if with_behaviour:
+            entries = entries or [None] * len(value["candidates"])
+            value["candidate_token_ids"] = [e and e["token_ids"] for e in entries]
+            value["candidate_logprobs"] = [e and e["logprobs"] for e in entries]
+            value["candidate_versions"] = [e and e["version"] for e in entries]
         reward_values.append(value)
     return pa.table({
         "data_source": pa.array(rows.data_source, pa.string()),

@@ -22,30 +22,44 @@ FRESH = "fresh"
 
 
 class ExperiencePool:
-    """Question (prompt key) -> list of correct response texts, in stored order."""
+    """Question (prompt key) -> list of correct response texts, in stored order, and where the
+    pool has them, each answer's behaviour: the tokens the policy that wrote it sampled, its
+    log-prob of each, and its version (``{"token_ids", "logprobs", "version"}`` or ``None``)."""
 
-    def __init__(self, answers: dict[str, list[str]]):
+    def __init__(self, answers: dict[str, list[str]],
+                 behaviour: Optional[dict[str, list[Optional[dict]]]] = None):
         self.answers = answers
+        self.behaviour = behaviour or {}
+
+    def behaviour_of(self, messages: Sequence[dict], index: int) -> Optional[dict]:
+        entries = self.behaviour.get(prompt_key(messages))
+        return entries[index] if entries is not None and index < len(entries) else None
 
     @classmethod
     def from_rows(cls, rows: PromptRows) -> "ExperiencePool":
         """Collect ``candidates`` per question. Empty or whitespace-only texts are dropped: a
         replayed empty answer would become a lone EOS scored -1 (docs/ALGORITHM.md section 8)."""
         answers: dict[str, list[str]] = {}
+        behaviour: dict[str, list[Optional[dict]]] = {}
         dropped = 0
-        for messages, candidates in zip(rows.messages, rows.candidates):
+        for messages, candidates, entries in zip(rows.messages, rows.candidates,
+                                                 rows.behaviour or [None] * len(rows)):
             if not candidates:
                 continue
             key = prompt_key(messages)
             if key in answers:
                 continue  # repeated rows of one question carry the same pool
-            kept = [text for text in candidates if text and text.strip()]
+            entries = entries or [None] * len(candidates)
+            kept = [(text, entry) for text, entry in zip(candidates, entries)
+                    if text and text.strip()]
             dropped += len(candidates) - len(kept)
             if kept:
-                answers[key] = kept
+                answers[key] = [text for text, _ in kept]
+                if any(entry is not None for _, entry in kept):
+                    behaviour[key] = [entry for _, entry in kept]
         if dropped:
             logger.warning("experience pool: dropped %d empty candidate texts", dropped)
-        return cls(answers)
+        return cls(answers, behaviour)
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -84,11 +98,15 @@ class OnlinePool(ExperiencePool):
     (for its age when replayed), and each question its latest pass rate (for the optional
     weighting toward questions the policy still fails). The whole state is checkpointed."""
 
-    def __init__(self, offline: dict[str, list[str]], answers_per_question: int):
+    def __init__(self, offline: dict[str, list[str]], answers_per_question: int,
+                 behaviour: Optional[dict[str, list[Optional[dict]]]] = None):
         if answers_per_question < 1:
             raise ValueError(f"online answers per question must be >= 1, got "
                              f"{answers_per_question}")
-        super().__init__({key: list(texts) for key, texts in offline.items()})
+        behaviour = behaviour or {}
+        super().__init__({key: list(texts) for key, texts in offline.items()},
+                         {key: list(behaviour.get(key) or [None] * len(texts))
+                          for key, texts in offline.items()})
         self.offline_counts = {key: len(texts) for key, texts in offline.items()}
         self.answers_per_question = answers_per_question
         self.born: dict[str, list[int]] = {}
@@ -99,27 +117,35 @@ class OnlinePool(ExperiencePool):
         return self.offline_counts.get(key, 0)
 
     def admit(self, messages: Sequence[dict], texts: Sequence[str], correct: Sequence[bool],
-              step: int, ended: Optional[Sequence[bool]] = None) -> int:
+              step: int, ended: Optional[Sequence[bool]] = None,
+              behaviour: Optional[Sequence[Optional[dict]]] = None) -> int:
         """Record one group's fresh answers (sampled at ``step``): its pass rate (the share
         verified correct), and its correct non-empty texts that ended by themselves
         (``ended``, default all) as the newest online answers (the oldest beyond the cap
-        leave). Returns the number admitted."""
+        leave), with their ``behaviour`` (tokens, log-probs, version) where given. Returns
+        the number admitted."""
         ended = [True] * len(texts) if ended is None else list(ended)
-        if not len(texts) == len(correct) == len(ended):
-            raise ValueError("admit needs one correctness flag and one end flag per text")
+        behaviour = [None] * len(texts) if behaviour is None else list(behaviour)
+        if not len(texts) == len(correct) == len(ended) == len(behaviour):
+            raise ValueError("admit needs one correctness flag, one end flag and one "
+                             "behaviour entry per text")
         if not texts:
             return 0
         key = prompt_key(messages)
         self.pass_rate[key] = sum(map(bool, correct)) / len(correct)
-        new = [text for text, ok, end in zip(texts, correct, ended)
+        new = [(text, entry) for text, ok, end, entry in zip(texts, correct, ended, behaviour)
                if ok and end and text and text.strip()]
         if not new:
             return 0
         offline = self.num_offline(key)
         texts_now = self.answers.get(key, [])
-        online = (texts_now[offline:] + new)[-self.answers_per_question:]
-        born = (self.born.get(key, []) + [step] * len(new))[-self.answers_per_question:]
+        entries_now = self.behaviour.get(key, [None] * len(texts_now))
+        cap = self.answers_per_question
+        online = (texts_now[offline:] + [text for text, _ in new])[-cap:]
+        entries = (entries_now[offline:] + [entry for _, entry in new])[-cap:]
+        born = (self.born.get(key, []) + [step] * len(new))[-cap:]
         self.answers[key] = texts_now[:offline] + online
+        self.behaviour[key] = entries_now[:offline] + entries
         self.born[key] = born
         return len(new)
 
@@ -135,6 +161,8 @@ class OnlinePool(ExperiencePool):
     def state_dict(self) -> dict:
         return {"online": {key: [self.answers[key][self.num_offline(key):], list(born)]
                            for key, born in self.born.items()},
+                "online_behaviour": {key: self.behaviour[key][self.num_offline(key):]
+                                     for key in self.born},
                 "pass_rate": dict(self.pass_rate),
                 "answers_per_question": self.answers_per_question}
 
@@ -145,12 +173,19 @@ class OnlinePool(ExperiencePool):
                              f"{self.answers_per_question}: resume with the same "
                              "replay.online_answers_per_question")
         for key in list(self.born):  # back to the offline pool, then the saved online part
-            self.answers[key] = self.answers[key][:self.num_offline(key)]
+            offline = self.num_offline(key)
+            self.answers[key] = self.answers[key][:offline]
+            self.behaviour[key] = self.behaviour.get(key, [])[:offline]
             if not self.answers[key]:
                 del self.answers[key]
+                self.behaviour.pop(key, None)
         self.born = {}
+        saved_behaviour = state.get("online_behaviour", {})  # older checkpoints: none
         for key, (texts, born) in state["online"].items():
-            self.answers[key] = self.answers.get(key, [])[:self.num_offline(key)] + list(texts)
+            offline = self.num_offline(key)
+            self.answers[key] = self.answers.get(key, [])[:offline] + list(texts)
+            self.behaviour[key] = (self.behaviour.get(key, [None] * offline)[:offline]
+                                   + list(saved_behaviour.get(key) or [None] * len(texts)))
             self.born[key] = list(born)
         self.pass_rate = dict(state["pass_rate"])
 

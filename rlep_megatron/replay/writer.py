@@ -15,19 +15,24 @@ from rlep_megatron.data.schema import PromptRows, rows_to_table, write_table_ato
 
 def pool_rows(questions: PromptRows, candidates: Sequence[Sequence[str]],
               min_correct: int = 1,
-              correct_counts: Optional[Sequence[int]] = None) -> PromptRows:
+              correct_counts: Optional[Sequence[int]] = None,
+              behaviour: Optional[Sequence[Sequence[Optional[dict]]]] = None) -> PromptRows:
     """Rows of ``questions`` with their candidates; questions with fewer than ``min_correct``
     correct answers are dropped (docs/ALGORITHM.md section 1: at least 2). ``correct_counts`` gives
     each question's number of correct samples (duplicate texts included) when ``candidates``
-    holds distinct texts; without it every non-empty candidate counts once."""
+    holds distinct texts; without it every non-empty candidate counts once. ``behaviour``: per
+    question, per candidate, ``{"token_ids", "logprobs", "version"}`` of the policy that
+    sampled it (written to the pool's optional behaviour columns)."""
     keep = []
     for row, answers in enumerate(candidates):
-        answers = [a for a in answers if a and a.strip()]
-        count = len(answers) if correct_counts is None else correct_counts[row]
-        if answers and count >= min_correct:
-            keep.append((row, answers))
+        entries = behaviour[row] if behaviour is not None else [None] * len(answers)
+        pairs = [(a, e) for a, e in zip(answers, entries) if a and a.strip()]
+        count = len(pairs) if correct_counts is None else correct_counts[row]
+        if pairs and count >= min_correct:
+            keep.append((row, pairs))
     out = questions.select([row for row, _ in keep])
-    out.candidates = [answers for _, answers in keep]
+    out.candidates = [[a for a, _ in pairs] for _, pairs in keep]
+    out.behaviour = [[e for _, e in pairs] for _, pairs in keep]
     return out
 
 

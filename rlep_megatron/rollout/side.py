@@ -66,7 +66,8 @@ def load_training_data(cfg):
         offline.check_matches(train_rows, source)
     if replay.mode != "offline":
         return train_rows, val_rows, OnlinePool(offline.answers,
-                                                replay.online_answers_per_question)
+                                                replay.online_answers_per_question,
+                                                behaviour=offline.behaviour)
     if replay.pooled_questions_only:
         kept = offline.pooled_rows(train_rows)
         if len(kept) < cfg.data.train_batch_size:
@@ -208,12 +209,23 @@ class RolloutSide:
             for index, item in zip(indices, items):
                 age = online.age(messages, index, step) if online is not None else None
                 replays.append(Sample(group, item.token_ids, item.text, REPLAY,
+                                      engine_logprobs=self._behaviour(messages, index, item),
                                       pool_index=index, age=age))
         # each group: its G fresh responses, then its replays
         by_group: dict[int, list[Sample]] = {}
         for seq in batch.sequences + replays:
             by_group.setdefault(seq.group, []).append(seq)
         batch.sequences = [s for g in range(len(batch.rows)) for s in by_group.get(g, [])]
+
+    def _behaviour(self, messages, index: int, item) -> Optional[list[float]]:
+        """The pool's behaviour log-probs of a replayed answer, where the pool has them for
+        exactly the tokens replayed (the answer's text re-tokenised, EOS appended, may split
+        otherwise than the policy sampled it: then ``None``, the paper's weight 1)."""
+        entry = self.replay_sampler.pool.behaviour_of(messages, index)
+        if (entry is None or entry.get("logprobs") is None
+                or list(entry.get("token_ids") or []) != list(item.token_ids)):
+            return None
+        return list(entry["logprobs"])
 
     def reward(self, batch: StepBatch) -> None:
         """Score every response (replays too); work split over all ranks."""
@@ -244,15 +256,18 @@ class RolloutSide:
                                            seq.pool_index)
 
     @staticmethod
-    def _fresh_groups(batch: StepBatch) -> list[tuple[int, list[str], list[bool], list[bool]]]:
+    def _fresh_groups(batch: StepBatch) -> list[tuple]:
         """Per group of a generation round: its row, and its fresh answers' texts, whether the
-        reward verified each and whether each ended by itself (not cut at the budget)."""
+        reward verified each, whether each ended by itself (not cut at the budget) and each
+        one's behaviour (tokens, log-probs, the version that began it)."""
         by_group: dict[int, list[Sample]] = {}
         for seq in batch.sequences:
             if seq.source == FRESH:
                 by_group.setdefault(seq.group, []).append(seq)
         return [(batch.rows[group], [s.text for s in members], [s.acc for s in members],
-                 [s.finish_reason != "length" for s in members])
+                 [s.finish_reason != "length" for s in members],
+                 [{"token_ids": list(s.token_ids), "logprobs": s.engine_logprobs,
+                   "version": s.versions[0][0] if s.versions else None} for s in members])
                 for group, members in sorted(by_group.items())]
 
     def _admit_online(self, step: int) -> int:
@@ -262,9 +277,9 @@ class RolloutSide:
         if self.online_pool is None:
             return 0
         admitted = 0
-        for row, texts, correct, ended in self._candidates:
+        for row, texts, correct, ended, behaviour in self._candidates:
             admitted += self.online_pool.admit(self.train_rows.messages[row], texts, correct,
-                                               step, ended=ended)
+                                               step, ended=ended, behaviour=behaviour)
         self._candidates = []
         return admitted
 
@@ -293,8 +308,9 @@ class RolloutSide:
             "replay/response_len_mean": _mean(len(s.token_ids) for s in replay),
             "advantage/mean/fresh": _mean(s.advantage for s in fresh),
             "advantage/mean/replay": _mean(s.advantage for s in replay),
+            "replay/behaviour_frac": _mean(s.engine_logprobs is not None for s in replay),
         }
-        m.update(staleness_metrics(fresh, step))
+        m.update(staleness_metrics(fresh, step, self.cfg.trainer.max_staleness))
         if self.replay_sampler is not None:
             m.update({f"replay/{k}": v
                       for k, v in self.replay_sampler.replay_counts_summary().items()})
@@ -323,12 +339,17 @@ class RolloutSide:
         self.scorer.close()
 
 
-def staleness_metrics(fresh: list[Sample], step: int) -> dict[str, float]:
-    """``rollout/staleness_mean`` / ``_max`` over the step's fresh tokens (versions behind the
-    policy being trained) and ``rollout/carried_over_frac``, the share of fresh responses with
-    tokens of an older version."""
+def staleness_metrics(fresh: list[Sample], step: int, max_staleness: int
+                      ) -> dict[str, float]:
+    """Over the step's fresh tokens, how many versions behind the policy being trained each
+    is: ``rollout/staleness_mean`` / ``_max``, the histogram ``rollout/staleness_frac/<v>``
+    for v = 0 .. ``max_staleness``, and ``rollout/carried_over_frac``, the share of fresh
+    responses with tokens of an older version."""
     stale = [step - v for s in fresh for v in s.token_versions()]
-    return {"rollout/staleness_mean": _mean(stale),
-            "rollout/staleness_max": float(max(stale, default=0)),
-            "rollout/carried_over_frac": _mean(any(v < step for v, _ in s.versions)
-                                               for s in fresh)}
+    out = {"rollout/staleness_mean": _mean(stale),
+           "rollout/staleness_max": float(max(stale, default=0)),
+           "rollout/carried_over_frac": _mean(any(v < step for v, _ in s.versions)
+                                              for s in fresh)}
+    for value in range(max_staleness + 1):
+        out[f"rollout/staleness_frac/{value}"] = _mean(v == value for v in stale)
+    return out

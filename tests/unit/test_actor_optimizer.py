@@ -228,7 +228,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     trainer.__dict__.update(
         cfg=cfg, engine=engine, learner=learner, checkpoints=checkpoints, step=0, metrics=None,
         val_rows=None, rollout=types.SimpleNamespace(next_batch=next_batch),
-        scheduler=types.SimpleNamespace(pause=lambda: None),
+        scheduler=types.SimpleNamespace(pause=lambda: None, tail_metrics=dict),
         step_metrics=lambda b, t, o: {}, _log=lambda step, metrics: None)
     cfg.rollout = types.SimpleNamespace(num_samples_per_prompt=1)
     cfg.trainer.mini_batch_size, cfg.trainer.mini_batch_unit = 1, "prompts"
