@@ -86,6 +86,11 @@ def build_scheduler(cfg: RunConfig, engine, ends_at_checkpoint):
 
     if cfg.trainer.max_staleness == 0:
         return scheduler.SynchronousScheduler(engine)
+    if cfg.algo.rollout_correction == "off":
+        logger.warning("trainer.max_staleness=%d with algo.rollout_correction=off: tokens of "
+                       "older versions are trained without importance correction; set "
+                       "algo.rollout_correction=truncate or mask (docs/ASYNC.md)",
+                       cfg.trainer.max_staleness)
     return scheduler.AheadScheduler(engine, cfg, ends_at_checkpoint)
 
 

