@@ -75,7 +75,7 @@ def _job_signature(cfg, checkpoint: str, rows) -> str:
     digest.update(json.dumps([os.path.abspath(checkpoint), c.num_samples_per_prompt,
                               c.temperature, c.top_p, cfg.rollout.max_response_tokens,
                               c.num_shards, cfg.trainer.seed, len(rows), c.distinct_texts,
-                              SHARD_FORMAT]).encode())
+                              c.save_behaviour, SHARD_FORMAT]).encode())
     for row in range(len(rows)):
         digest.update(rows.prompt_key(row).encode())
     return digest.hexdigest()[:16]
@@ -153,7 +153,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
                 # what the sampling policy gave each kept answer: replay.correction's input
                 behaviour.append([{"token_ids": responses[i].token_ids,
                                    "logprobs": responses[i].logprobs, "version": version}
-                                  for i in kept])
+                                  if c.save_behaviour else None for i in kept])
             if rank0:
                 write_file_atomic(path, json.dumps({"rows": list(indices), "correct": correct,
                                                     "correct_counts": counts,

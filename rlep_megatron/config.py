@@ -213,8 +213,9 @@ class ReplayConfig:
     pool holds that policy's log-probs of them (its optional behaviour columns, written by
     ``rlep collect`` and by online replay): ``none`` (the paper's treatment: weight 1, the
     ratio starts at 1), ``truncate`` (each token weighted by min(p_actor / p_behaviour,
-    ``algo.rollout_correction_threshold``)) or ``mask`` (tokens, or sequences, outside
-    [1/threshold, threshold] leave the loss), at ``algo.rollout_correction_level``: the
+    ``algo.rollout_correction_threshold``)) or ``mask`` (weight p_actor / p_behaviour inside
+    [1/threshold, threshold]; tokens, or sequences, outside it leave the loss and its
+    normaliser), at ``algo.rollout_correction_level``: the
     rollout correction of fresh tokens applied to replays. Replays without those columns, or
     whose re-tokenised text differs from the tokens sampled, keep weight 1."""
 
@@ -576,6 +577,11 @@ class CollectConfig:
     """Pool parquet (RLEP schema); default <output_dir>/pool.parquet."""
     num_shards: int = 8
     """Collection work units; finished shards are not redone after a restart."""
+    save_behaviour: bool = True
+    """Write each kept answer's sampled tokens, their log-probs under the collecting policy (at
+    ``collect.temperature`` / ``top_p``) and the checkpoint's step into the pool's optional
+    behaviour columns, the input of ``replay.correction``. They take about twice the space of
+    the texts; false writes the texts only (the public RLEP schema)."""
 
     def __post_init__(self):
         if self.num_samples_per_prompt < 1:

@@ -91,6 +91,10 @@ def build_scheduler(cfg: RunConfig, engine, ends_at_checkpoint):
                        "older versions are trained without importance correction; set "
                        "algo.rollout_correction=truncate or mask (docs/ASYNC.md)",
                        cfg.trainer.max_staleness)
+    if cfg.checkpoint.save_interval_steps == 1:
+        logger.warning("trainer.max_staleness=%d with checkpoint.save_interval_steps=1: every "
+                       "step is a checkpoint's drain point, so nothing is generated ahead and "
+                       "the run is synchronous", cfg.trainer.max_staleness)
     return scheduler.AheadScheduler(engine, cfg, ends_at_checkpoint)
 
 

@@ -10,7 +10,7 @@ behaviour log-probs), engine routing, and the sums and maxima of the step's metr
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 

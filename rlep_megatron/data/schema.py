@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -145,7 +146,10 @@ def prompt_key(messages: Sequence[dict]) -> str:
     return "\x1e".join(f"{m['role']}\x1f{m['content']}" for m in messages)
 
 
-def read_prompt_file(path: str) -> PromptRows:
+def read_prompt_file(path: str, behaviour: bool = False) -> PromptRows:
+    """The rows of one DAPO-schema parquet file; with ``behaviour``, a pool's optional
+    behaviour columns too (as int32 / float32 arrays; they can be several times the size of
+    the texts, so only the runs that use them, ``replay.correction``, read them)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"parquet file not found: {path}")
     try:
@@ -167,7 +171,8 @@ def read_prompt_file(path: str) -> PromptRows:
     rows.ground_truth = reward.field("ground_truth").to_pylist()
     rows.candidates = (reward.field("candidates").to_pylist() if has_candidates
                        else [None] * len(rows.data_source))
-    rows.behaviour = _read_behaviour(reward, rows.candidates, path)
+    rows.behaviour = (_read_behaviour(reward, rows.candidates, path) if behaviour
+                      else [None] * len(rows.data_source))
     if "extra_info" in columns:
         info = table.column("extra_info").combine_chunks()
         index = (info.field("index").to_pylist() if info.type.get_field_index("index") >= 0
@@ -208,18 +213,23 @@ def _read_behaviour(reward, candidates, path: str) -> list:
                 raise ValueError(f"{path}: row {row}, candidate {i}: {len(ids)} token ids but "
                                  f"{len(logprobs)} log-probs")
             entries.append(None if ids is None and logprobs is None and version is None else
-                           {"token_ids": ids, "logprobs": logprobs, "version": version})
+                           {"token_ids": None if ids is None else np.asarray(ids, np.int32),
+                            "logprobs": (None if logprobs is None
+                                         else np.asarray(logprobs, np.float32)),
+                            "version": version})
         out.append(entries)
     return out
 
 
-def read_prompt_files(paths: Sequence[str], deduplicate: bool = False) -> PromptRows:
-    """Read and concatenate files; optionally keep the first occurrence of each prompt."""
+def read_prompt_files(paths: Sequence[str], deduplicate: bool = False,
+                      behaviour: bool = False) -> PromptRows:
+    """Read and concatenate files; optionally keep the first occurrence of each prompt (and
+    read the pool's behaviour columns, :func:`read_prompt_file`)."""
     if not paths:
         raise ValueError("no parquet files given (set data.train_files / data.val_files)")
     merged = PromptRows()
     for path in paths:
-        part = read_prompt_file(path)
+        part = read_prompt_file(path, behaviour=behaviour)
         for name in ("data_source", "messages", "ground_truth", "candidates", "index",
                      "behaviour"):
             getattr(merged, name).extend(getattr(part, name))
@@ -247,8 +257,8 @@ def rows_to_table(rows: PromptRows, ability: str = "MATH", style: str = "rule-la
             value["candidates"] = list(candidates or [])
         if with_behaviour:
             entries = entries or [None] * len(value["candidates"])
-            value["candidate_token_ids"] = [e and e["token_ids"] for e in entries]
-            value["candidate_logprobs"] = [e and e["logprobs"] for e in entries]
+            value["candidate_token_ids"] = [_as_list(e and e["token_ids"]) for e in entries]
+            value["candidate_logprobs"] = [_as_list(e and e["logprobs"]) for e in entries]
             value["candidate_versions"] = [e and e["version"] for e in entries]
         reward_values.append(value)
     return pa.table({
@@ -260,6 +270,11 @@ def rows_to_table(rows: PromptRows, ability: str = "MATH", style: str = "rule-la
         "extra_info": pa.array([{"index": i} for i in rows.index],
                                pa.struct([("index", pa.string())])),
     })
+
+
+def _as_list(values) -> Optional[list]:
+    return None if values is None else (values.tolist() if hasattr(values, "tolist")
+                                        else list(values))
 
 
 def write_table_atomic(table: pa.Table, path: str) -> None:

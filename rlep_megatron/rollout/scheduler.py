@@ -77,6 +77,7 @@ class AheadScheduler:
         if round_index:
             raise RuntimeError("trainer.max_staleness >= 1 takes one generation round per "
                                "step (algo.dynamic_sampling is refused up front)")
+        self.engine.check_ready()  # on a GPU: the KV cache back before any request is added
         if self.paused:
             self.requests.resume(step)
             self.paused = False

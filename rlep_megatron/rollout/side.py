@@ -9,9 +9,9 @@ Per training step, one named and timed call per phase:
 
 with DAPO's dynamic sampling (more generation rounds until a full batch of groups with signal)
 and online replay (the step's verified answers admitted to the pool after its replays were
-drawn) chosen when the side is built. How prompts reach the engine is the
-:class:`~rlep_megatron.rollout.scheduler.RolloutScheduler`'s: all of a step's at once
-(``trainer.max_staleness: 0``) or ahead of the weights that will train on them.
+drawn) chosen when the side is built. How prompts reach the engine is the scheduler's
+(:mod:`rlep_megatron.rollout.scheduler`): all of a step's at once (``trainer.max_staleness:
+0``) or ahead of the weights that will train on them.
 
 Every rank holds the same global batch; reward scoring is split over all ranks.
 """
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 from typing import Optional
+
+import numpy as np
 
 from rlep_megatron import distributed
 from rlep_megatron.data.batch import FRESH, REPLAY, Sample, StepBatch
@@ -42,7 +44,9 @@ def load_training_data(cfg):
     from rlep_megatron.replay.pool import ExperiencePool, OnlinePool
     from rlep_megatron.reward import check_rewards
 
-    train_rows = read_prompt_files(cfg.data.train_files)
+    # the pool's behaviour log-probs are read only when replay.correction uses them
+    behaviour = cfg.replay.correction != "none"
+    train_rows = read_prompt_files(cfg.data.train_files, behaviour=behaviour)
     val_rows = (read_prompt_files(cfg.data.val_files, deduplicate=True)
                 if cfg.data.val_files else None)
     check_rewards({"data.train_files": train_rows,
@@ -53,7 +57,7 @@ def load_training_data(cfg):
     offline = ExperiencePool({})
     if replay.mode != "online":
         if replay.pool_files:
-            pool_rows = read_prompt_files(replay.pool_files)
+            pool_rows = read_prompt_files(replay.pool_files, behaviour=behaviour)
             source = ", ".join(replay.pool_files)
         else:
             pool_rows, source = train_rows, "the training files"
@@ -152,7 +156,8 @@ class RolloutSide:
             self.reward(batch)
         if self.online_pool is not None:
             # every round's groups, before dynamic sampling keeps some (or drops them all)
-            self._candidates += self._fresh_groups(batch)
+            self._candidates += self._fresh_groups(
+                batch, behaviour=self.cfg.replay.correction != "none")
         return batch
 
     def _plain_batch(self, timer, step: int) -> StepBatch:
@@ -222,10 +227,11 @@ class RolloutSide:
         exactly the tokens replayed (the answer's text re-tokenised, EOS appended, may split
         otherwise than the policy sampled it: then ``None``, the paper's weight 1)."""
         entry = self.replay_sampler.pool.behaviour_of(messages, index)
-        if (entry is None or entry.get("logprobs") is None
-                or list(entry.get("token_ids") or []) != list(item.token_ids)):
+        if entry is None or entry.get("logprobs") is None or entry.get("token_ids") is None:
             return None
-        return list(entry["logprobs"])
+        if [int(t) for t in entry["token_ids"]] != list(item.token_ids):
+            return None
+        return [float(v) for v in entry["logprobs"]]
 
     def reward(self, batch: StepBatch) -> None:
         """Score every response (replays too); work split over all ranks."""
@@ -256,18 +262,21 @@ class RolloutSide:
                                            seq.pool_index)
 
     @staticmethod
-    def _fresh_groups(batch: StepBatch) -> list[tuple]:
+    def _fresh_groups(batch: StepBatch, behaviour: bool = False) -> list[tuple]:
         """Per group of a generation round: its row, and its fresh answers' texts, whether the
-        reward verified each, whether each ended by itself (not cut at the budget) and each
-        one's behaviour (tokens, log-probs, the version that began it)."""
+        reward verified each, whether each ended by itself (not cut at the budget) and, with
+        ``behaviour`` (``replay.correction`` uses it), each one's tokens, log-probs and the
+        version that began it (int32 / float32 arrays: they are kept in the online pool)."""
         by_group: dict[int, list[Sample]] = {}
         for seq in batch.sequences:
             if seq.source == FRESH:
                 by_group.setdefault(seq.group, []).append(seq)
         return [(batch.rows[group], [s.text for s in members], [s.acc for s in members],
                  [s.finish_reason != "length" for s in members],
-                 [{"token_ids": list(s.token_ids), "logprobs": s.engine_logprobs,
-                   "version": s.versions[0][0] if s.versions else None} for s in members])
+                 [{"token_ids": np.asarray(s.token_ids, np.int32),
+                   "logprobs": np.asarray(s.engine_logprobs, np.float32),
+                   "version": s.versions[0][0] if s.versions else None}
+                  if behaviour and s.engine_logprobs else None for s in members])
                 for group, members in sorted(by_group.items())]
 
     def _admit_online(self, step: int) -> int:

@@ -39,13 +39,14 @@ def save_and_load(hf_dir: str, work: str, out: str) -> None:
         for p in chunk.parameters():
             p.main_grad.normal_()
     trainer.optimizer.step()
-    dist_checkpointing.save(manager._sharded_state(trainer), work)
+    dist_checkpointing.save(manager._sharded_state(types.SimpleNamespace(learner=trainer)), work)
     saved = {k: v.clone() for o in trainer.optimizer.torch_optimizers()
              for i, s in enumerate(o.state.values()) for k, v in
              ((f"{i}.{name}", t) for name, t in s.items() if name != "step")}
     fresh = build()
     fresh.optimizer.create_state()
-    state = dist_checkpointing.load(manager._sharded_state(fresh, is_loading=True), work)
+    state = dist_checkpointing.load(
+        manager._sharded_state(types.SimpleNamespace(learner=fresh), is_loading=True), work)
     fresh.optimizer.load_checkpoint_state(state["optimizer"],
                                           trainer.optimizer.state_dict())
     loaded = {k: v for o in fresh.optimizer.torch_optimizers()

@@ -75,8 +75,9 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
         assert f"shard {number + 1}/6 already finished, skipped" in log
     assert json.loads(before[finished[0]])["rows"] == [0]
 
-    # field by field the public RLEP schema, and the trainer's pool reader accepts it
-    rows = read_prompt_file(str(out))
+    # field by field the public RLEP schema (with the optional behaviour columns), and the
+    # trainer's pool reader accepts it
+    rows = read_prompt_file(str(out), behaviour=True)
     assert pq.read_schema(out).equals(rows_to_table(rows, with_candidates=True).schema)
     assert all(len(c) >= 1 for c in rows.candidates)
     # min_correct (2) counts correct samples, duplicates included: a question of a finished
@@ -107,7 +108,7 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
             assert len(entry["logprobs"]) == len(entry["token_ids"])
             assert all(value <= 0 for value in entry["logprobs"])
             [item] = tokenize_replays([text], tokenizer, 32, tokenizer.eos_token_id)
-            assert item.token_ids == entry["token_ids"], text
+            assert item.token_ids == entry["token_ids"].tolist(), text
     pool = ExperiencePool.from_rows(rows)
     pool.check_matches(read_prompt_file(task["train"]), str(out))
     assert len(pool) >= 3

@@ -131,9 +131,13 @@ def pool_with_behaviour() -> PromptRows:
 def test_the_behaviour_columns_round_trip(tmp_path):
     path = str(tmp_path / "pool.parquet")
     write_pool(pool_with_behaviour(), path)
-    rows = read_prompt_file(path)
+    rows = read_prompt_file(path, behaviour=True)
     assert rows.candidates == [["Answer: 0", "So Answer: 0"], ["Answer: 1"]]
-    assert rows.behaviour == pool_with_behaviour().behaviour
+    as_lists = [[e and {k: v.tolist() if hasattr(v, "tolist") else v for k, v in e.items()}
+                 for e in entries] for entries in rows.behaviour]
+    assert as_lists == pool_with_behaviour().behaviour
+    # read only when asked (replay.correction): the texts alone otherwise
+    assert read_prompt_file(path).behaviour == [None, None]
     pool = ExperiencePool.from_rows(rows)
     assert pool.behaviour_of([{"role": "user", "content": "q0"}], 0)["version"] == 40
     assert pool.behaviour_of([{"role": "user", "content": "q0"}], 1) is None
@@ -145,7 +149,7 @@ def test_the_behaviour_columns_round_trip(tmp_path):
         names=["ground_truth", "style", "candidates"])
     pq.write_table(plain.set_column(plain.schema.get_field_index("reward_model"),
                                     "reward_model", public), tmp_path / "public.parquet")
-    old = read_prompt_file(str(tmp_path / "public.parquet"))
+    old = read_prompt_file(str(tmp_path / "public.parquet"), behaviour=True)
     assert old.candidates == rows.candidates and old.behaviour == [None, None]
     assert ExperiencePool.from_rows(old).behaviour == {}
 
@@ -160,7 +164,7 @@ def test_a_malformed_behaviour_column_is_refused(tmp_path):
     pq.write_table(table.set_column(table.schema.get_field_index("reward_model"),
                                     "reward_model", bad), path)
     with pytest.raises(ValueError, match="candidate_logprobs.*expected"):
-        read_prompt_file(str(path))
+        read_prompt_file(str(path))  # the schema is checked whether or not they are read
 
 
 def test_online_answers_keep_their_behaviour_through_a_checkpoint():
