@@ -10,8 +10,9 @@
    picked or dropped): ``rlep`` (``examples/tiny_cpu_rlep.yaml``: M = 1 replay per group, on
    the questions with a pool, mini-batches counted in prompts x G as the paper, so (G + M) / G
    times the baseline's optimizer steps: 9 vs 8), optionally ``rlep_equal`` (the same with as
-   many optimizer steps as the baseline) and ``online`` (online experience replay from an
-   empty pool);
+   many optimizer steps as the baseline), ``online`` (online experience replay from an
+   empty pool) and ``one_step_off`` (the baseline with ``trainer.max_staleness=1``: one step
+   off against synchronous, docs/ASYNC.md);
 5. report every arm across seeds: validation mean@k and training accuracy curves as mean and
    spread (min..max over seeds), best and final validation accuracy with their spread, the
    optimizer steps per training step, the steps each arm needs to reach the baseline's best
@@ -354,7 +355,7 @@ def paired_table(paired: dict, k: int, label: str = "RLEP") -> str:
 
 
 ARM_LABELS = {"baseline": "baseline", "rlep": "RLEP", "rlep_equal": "RLEP equal-updates",
-              "online": "online replay"}
+              "online": "online replay", "one_step_off": "baseline one step off"}
 
 
 def arm_order(summary: dict) -> list[str]:
@@ -611,9 +612,15 @@ def arm_settings(arm: str, recipes: str, pool: str,
     counts prompts x G sequences, so the G + M sequences of a group take (G + M) / G times the
     baseline's optimizer steps (the paper's 9 vs 8); ``rlep_equal``: the same replays in
     mini-batches of prompts x (G + M) sequences, as many optimizer steps as the baseline;
-    ``online``: online experience replay (``replay.mode=online``) from an empty pool."""
+    ``online``: online experience replay (``replay.mode=online``) from an empty pool;
+    ``one_step_off``: the baseline with the next step's prompts generating ahead
+    (``trainer.max_staleness=1``, with the rollout correction it is meant to run with), so its
+    paired differences to the baseline are one step off against synchronous."""
     if arm == "baseline":
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), []
+    if arm == "one_step_off":
+        return os.path.join(recipes, "tiny_cpu_baseline.yaml"), [
+            "trainer.max_staleness=1", "algo.rollout_correction=truncate"]
     recipe = os.path.join(recipes, "tiny_cpu_rlep.yaml")
     if arm == "online":  # no offline pool: the run's own verified answers, as they appear
         return recipe, ["replay.pool_files=[]", "replay.mode=online"]

@@ -122,7 +122,7 @@ def test_arms_and_their_optimizer_steps_follow_the_protocol():
     with pytest.raises(ValueError, match="unknown demo arm"):
         check_arms(["rlep", "dpo"])
     steps = {}
-    for arm in ("baseline", "rlep", "rlep_equal", "online"):
+    for arm in ("baseline", "rlep", "rlep_equal", "online", "one_step_off"):
         recipe, extra = arm_settings(arm, examples_dir(), "pool.parquet")
         cfg = load_config(recipe, extra)
         group = cfg.rollout.num_samples_per_prompt + cfg.replay.num_replays_per_prompt
@@ -132,7 +132,8 @@ def test_arms_and_their_optimizer_steps_follow_the_protocol():
     _, extra = arm_settings("rlep_equal", examples_dir(), "pool.parquet", user)
     assert "trainer.mini_batch_size=15" in extra  # 3 prompts x (4 + 1)
     g = load_config(arm_settings("rlep", examples_dir(), "p")[0]).rollout.num_samples_per_prompt
-    assert steps["baseline"] == steps["rlep_equal"] == 8
+    assert steps["baseline"] == steps["rlep_equal"] == steps["one_step_off"] == 8
+    assert load_config(*arm_settings("one_step_off", examples_dir(), "p")).trainer.max_staleness == 1
     assert steps["online"] == steps["rlep"]  # once every group has online answers
     assert steps["rlep"] * g == steps["baseline"] * (g + 1)  # 9 vs 8 with G = 8, M = 1
 
