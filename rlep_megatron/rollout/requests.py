@@ -37,7 +37,6 @@ class Pending:
     versions: list[tuple[int, int]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     request_id: Optional[str] = None  # set while the request is in the engine
-    resumed: int = 0                  # how many times it came back after a weight update
 
     def add_tokens(self, token_ids, logprobs, version: int) -> None:
         self.token_ids += token_ids
@@ -145,7 +144,6 @@ class EngineRequests:
         self.version, self.paused = version, False
         for item in self.pending.values():
             if item.finish_reason is None and item.request_id is None:
-                item.resumed += 1
                 self._add(item)
 
     def finished(self, step: int) -> bool:
@@ -165,6 +163,3 @@ class EngineRequests:
                 Response(key[1], item.token_ids, item.logprobs, text,
                          item.finish_reason, versions=list(item.versions)))
         return [groups[index] for index in sorted(groups)]
-
-    def num_unfinished(self) -> int:
-        return sum(item.finish_reason is None for item in self.pending.values())
