@@ -47,6 +47,12 @@ class ModelConfig:
     (``auto``), always (``required``: an error naming the import failure otherwise) or never
     (``off``: megatron-core's local spec). Checkpoints record the spec they were saved with and
     load into either."""
+    moe_experts: Literal["auto", "grouped", "sequential"] = "auto"
+    """How a mixture-of-experts layer runs its local experts: ``grouped``, all of them in one
+    grouped GEMM per projection (TransformerEngine's with its spec, torch's
+    ``grouped_mm`` with the local spec); ``sequential``, one after another (megatron's
+    ``SequentialMLP``, a Python loop with a host synchronisation per layer); ``auto`` is
+    ``grouped``. Both keep the same parameters and checkpoints. Dense models ignore it."""
 
     def __post_init__(self):
         if self.logprob_chunk_tokens < 0:
@@ -814,7 +820,27 @@ def suggest_keys(name: str, limit: int = 3) -> list[str]:
                                                           cutoff=0.6)]
 
 
+# key names that other trainers use for the size of the job (verl's trainer.n_gpus_per_node
+# and trainer.nnodes, NeMo-RL's cluster.gpus_per_node and cluster.num_nodes...): here torchrun
+# sets it, so the closest spelling would be a wrong suggestion
+_GPU_COUNT_FIELDS = {"n_gpus_per_node", "nnodes", "n_gpus", "num_gpus", "gpus", "gpus_per_node",
+                     "num_gpus_per_node", "nproc_per_node", "num_nodes", "nodes", "world_size",
+                     "n_nodes", "num_devices", "devices"}
+
+
+def _gpu_count_message(name: str) -> Optional[str]:
+    if name.split(".")[-1].lower() not in _GPU_COUNT_FIELDS:
+        return None
+    return (f"'{name}' looks like a GPU or node count: rlep has no such key, torchrun sets the "
+            "job's size (--nnodes, --nproc-per-node; one process per GPU) and the recipe's "
+            "parallel.* sizes split it. `rlep init --nodes N --gpus-per-node G` and `rlep plan "
+            "--nodes N --gpus-per-node G` take it; docs/multinode.md has the launch lines")
+
+
 def _unknown_key_message(name: str) -> str:
+    gpu_count = _gpu_count_message(name)
+    if gpu_count:
+        return gpu_count
     close = suggest_keys(name)
     hint = f"did you mean {' or '.join(close)}? " if close else ""
     return (f"unknown config key '{name}': {hint}(`rlep config --keys` lists every key, "
@@ -865,6 +891,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ValueError(f"override '{text}' must look like section.key=value")
     dotted, raw_value = text.split("=", 1)
     if dotted.count(".") != 1:
+        if _gpu_count_message(dotted):
+            raise ValueError(_gpu_count_message(dotted))
         close = suggest_keys(dotted)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
         raise ValueError(f"override key '{dotted}' must look like section.key: {hint}"

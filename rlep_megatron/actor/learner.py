@@ -50,17 +50,18 @@ class LearningSide:
         self.ctx = distributed.init_model_parallel(
             cfg.parallel, seed=cfg.trainer.seed, **layout_limits(hf))
         dtype = resolve_dtype(cfg.model.params_dtype)
-        moe_losses = {"moe_aux_loss_coeff": cfg.algo.moe_aux_loss_coeff,
-                      "moe_z_loss_coeff": cfg.algo.moe_z_loss_coeff}
+        moe_options = {"moe_aux_loss_coeff": cfg.algo.moe_aux_loss_coeff,
+                      "moe_z_loss_coeff": cfg.algo.moe_z_loss_coeff,
+                      "moe_experts": cfg.model.moe_experts}
         if cfg.model.mcore_dir:
             self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations,
                                                  transformer_engine=cfg.model.transformer_engine,
-                                                 **moe_losses)
+                                                 **moe_options)
             load_mcore_weights(self.chunks, cfg.model.mcore_dir, hf_config=hf)
         else:
             self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
                                                    cfg.model.recompute_activations,
-                                                   cfg.model.transformer_engine, **moe_losses)
+                                                   cfg.model.transformer_engine, **moe_options)
         self.info = dataclasses.replace(self.info,
                                         logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
         # the KL term's reference: the initial weights, copied before any update or resume

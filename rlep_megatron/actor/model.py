@@ -39,12 +39,13 @@ def load_hf_weights(chunks: list[torch.nn.Module], hf_dir: str, info: ActorModel
 
 def build_from_hf(hf_dir: str, params_dtype: str = "auto",
                   recompute_activations: bool = False, transformer_engine: str = "auto",
-                  **moe_losses: float):
+                  moe_experts: str = "auto", **moe_losses: float):
     """Build this rank's chunks for an HF checkpoint and load its weights (``moe_losses``:
     :func:`build_model`'s ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``)."""
     hf_config = load_hf_config(hf_dir)
     chunks, info = build_model(hf_config, resolve_dtype(params_dtype), recompute_activations,
-                               transformer_engine=transformer_engine, **moe_losses)
+                               transformer_engine=transformer_engine,
+                               moe_experts=moe_experts, **moe_losses)
     load_hf_weights(chunks, hf_dir, info)
     return chunks, info
 

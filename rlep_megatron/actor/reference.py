@@ -22,7 +22,8 @@ class ReferencePolicy:
         self.info = info
         # the actor's own layer spec, whatever would be chosen now
         self.chunks, _ = build_model(info.hf_config, info.params_dtype,
-                                     transformer_engine="required" if info.use_te else "off")
+                                     transformer_engine="required" if info.use_te else "off",
+                                     moe_experts=info.moe_experts)
         for ref, actor in zip(self.chunks, actor_chunks):
             ref.load_state_dict(unwrap(actor).state_dict())
             ref.eval()

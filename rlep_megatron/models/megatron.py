@@ -31,6 +31,8 @@ class ActorModelInfo:
     padded_vocab_size: int
     params_dtype: torch.dtype
     use_te: bool
+    moe_experts: str = "auto"
+    """``model.moe_experts``: how the mixture-of-experts layers run their experts."""
     logprob_chunk_tokens: int = 2048
     """Tokens whose logits the log-prob passes compute at a time from the last hidden states
     (recomputed in the backward); 0: the output layer's full logits
@@ -51,7 +53,8 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
                        recompute_activations: bool = False, use_te: bool = False,
                        on_meta_device: bool = False, expert_model_parallel_size: int = 1,
                        sequence_parallel: bool = False, context_parallel_size: int = 1,
-                       moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0):
+                       moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0,
+                       moe_experts: str = "auto"):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
@@ -103,8 +106,9 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         kwargs.update(
             expert_model_parallel_size=expert_model_parallel_size,
             # TransformerEngine's grouped GEMM runs all local experts at once; the local spec
-            # loops over them (SequentialMLP)
-            moe_grouped_gemm=use_te,
+            # keeps megatron's SequentialMLP in its spec, which build_model replaces by the
+            # torch grouped GEMM (grouped_experts.py) unless model.moe_experts=sequential
+            moe_grouped_gemm=use_te and moe_experts != "sequential",
             # the aux loss and z-loss: off for RL unless the training config asks
             moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
             moe_aux_loss_coeff=moe_aux_loss_coeff, moe_z_loss_coeff=moe_z_loss_coeff or None)
@@ -115,13 +119,14 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
 def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
                 recompute_activations: bool = False, on_meta_device: bool = False,
                 transformer_engine: str = "auto", moe_aux_loss_coeff: float = 0.0,
-                moe_z_loss_coeff: float = 0.0
+                moe_z_loss_coeff: float = 0.0, moe_experts: str = "auto"
                 ) -> tuple[list[torch.nn.Module], ActorModelInfo]:
     """GPTModel chunks of this rank (one per virtual pipeline stage), weights uninitialised.
 
     ``transformer_engine``: ``auto`` | ``required`` | ``off``
     (:func:`platform.use_transformer_engine`). ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``:
     the routers' load-balancing and z-losses (mixture-of-experts models; 0: off).
+    ``moe_experts``: ``auto`` | ``grouped`` | ``sequential`` (``model.moe_experts``).
     ``on_meta_device`` builds them without storage:
     shapes, names and sharding metadata only (the streaming conversion tools work from such a
     skeleton); it takes the local spec, whose checkpoint keys are TransformerEngine's (megatron
@@ -142,9 +147,11 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
                                 ps.get_expert_model_parallel_world_size(),
                                 distributed.sequence_parallel(),
                                 ps.get_context_parallel_world_size(), moe_aux_loss_coeff,
-                                moe_z_loss_coeff)
+                                moe_z_loss_coeff, moe_experts)
     if config.num_moe_experts:
         platform.megatron_moe_without_te()
+        if not on_meta_device:
+            _report_experts(use_te, moe_experts)
     if use_te and not config.num_moe_experts:
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
@@ -159,7 +166,7 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
         with device:
             chunk = GPTModel(
                 config=config, vocab_size=padded,
-                transformer_layer_spec=spec or _block_spec(config, use_te, stage),
+                transformer_layer_spec=spec or _block_spec(config, use_te, stage, moe_experts),
                 max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -171,17 +178,39 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
         _params_to_dtype(chunk, params_dtype)
         chunks.append(chunk if on_meta_device else chunk.to(device))
     info = ActorModelInfo(hf_config=hf_config, dims=dims, padded_vocab_size=padded,
-                          params_dtype=params_dtype, use_te=use_te)
+                          params_dtype=params_dtype, use_te=use_te,
+                          moe_experts=moe_experts)
     return chunks, info
 
 
-def _block_spec(config, use_te: bool, vp_stage: Optional[int]):
+_MOE_EXPERTS = ("auto", "grouped", "sequential")
+
+
+def _report_experts(use_te: bool, moe_experts: str) -> None:
+    if moe_experts not in _MOE_EXPERTS:
+        raise ValueError(f"model.moe_experts must be one of {', '.join(_MOE_EXPERTS)}; "
+                         f"got {moe_experts!r}")
+    if moe_experts == "sequential":
+        path = "one after another (megatron's SequentialMLP; model.moe_experts=sequential)"
+    elif use_te:
+        path = "TransformerEngine's grouped GEMM"
+    else:
+        path = "torch's grouped GEMM (torch.nn.functional.grouped_mm)"
+    logger.info("mixture-of-experts layers run their local experts with %s", path)
+
+
+def _block_spec(config, use_te: bool, vp_stage: Optional[int], moe_experts: str = "auto"):
     """This pipeline stage's layer specs: TransformerEngine's for a mixture-of-experts model
     (dense layers where ``config.moe_layer_freq`` says 0), the local ones
-    (:func:`attention.local_block_spec`) for every model without TE."""
+    (:func:`attention.local_block_spec`) for every model without TE, whose experts run on
+    torch's grouped GEMM unless ``moe_experts`` is ``sequential``."""
     if not use_te:
         from rlep_megatron.models.attention import local_block_spec
-        return local_block_spec(config, vp_stage)
+        block = local_block_spec(config, vp_stage)
+        if config.num_moe_experts and moe_experts != "sequential":
+            from rlep_megatron.models.grouped_experts import use_grouped_experts
+            use_grouped_experts(block)
+        return block
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                       normalization="RMSNorm", vp_stage=vp_stage)

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--logprob-chunk", type=int, default=None,
                         help="model.logprob_chunk_tokens (0: full logits)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--moe-experts", default="auto",
+                        choices=["auto", "grouped", "sequential"],
+                        help="how MoE layers run their experts (model.moe_experts)")
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
     return parser
@@ -132,7 +135,11 @@ def run_case(args):
     chunks, info = build_from_hf(args.hf_dir, args.dtype, recompute_activations=args.recompute,
                                  transformer_engine=args.transformer_engine,
                                  moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-                                 moe_z_loss_coeff=args.moe_z_loss_coeff)
+                                 moe_z_loss_coeff=args.moe_z_loss_coeff,
+                                 moe_experts=args.moe_experts)
+    experts_modules = sorted({type(module).__name__ for chunk in chunks
+                              for name, module in chunk.named_modules()
+                              if name.endswith("mlp.experts")})
     if args.logprob_chunk is not None:
         info = dataclasses.replace(info, logprob_chunk_tokens=args.logprob_chunk)
     # adam_eps well above float noise: Adam's first step ~ lr * g / (|g| + eps) would otherwise
@@ -185,7 +192,8 @@ def run_case(args):
                     "adam_state_numel": adam_state_numel(optimizer),
                     "schedule_scalar_reads": reads.count,
                     "device": str(next(chunks[0].parameters()).device),
-                    "transformer_engine": info.use_te}, args.out)
+                    "transformer_engine": info.use_te,
+                    "experts_modules": experts_modules}, args.out)
 
 
 if __name__ == "__main__":

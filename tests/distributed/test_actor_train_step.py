@@ -19,7 +19,15 @@ REALISTIC = ("--adam-eps", "1e-6", "--weight-decay", "1.0")
 ROUTER_LOSSES = ("--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
                  "--micro-batch-max-tokens", "1000")
 AUX_LOSS = ("--moe-aux-loss-coeff", "0.01", "--micro-batch-max-tokens", "1000")
-for _key in (
+SEQUENTIAL = ("--moe-experts", "sequential")
+# (ranks, TP, arguments): EP1, EP2 and TP2 x EP2, padded and packed, routing replay on and off
+GROUPED_VS_SEQUENTIAL = (
+    (1, 1, ()), (1, 1, ("--dtype", "bfloat16", "--distributed-optimizer")),
+    (2, 1, ("--ep", "2")), (2, 1, ("--ep", "2", "--packing", "--distributed-optimizer")),
+    (4, 2, ("--ep", "2", "--sp")),
+    (4, 2, ("--ep", "2", "--sp", "--packing", "--routing-replay", "--recompute")),
+    (2, 1, ("--ep", "2", "--routing-replay")))
+for _key in dict.fromkeys((  # (some steps serve several tests)
         # parity across layouts and against transformers, per dense architecture
         *[(arch, nproc, tp, pp, extra) for arch in ("qwen2", "qwen3", "llama")
           for nproc, tp, pp, extra in ((1, 1, 1, ()), (1, 1, 1, REALISTIC), (4, 2, 2, ()),
@@ -60,9 +68,12 @@ for _key in (
         ("qwen3_moe", 1, 1, 1, AUX_LOSS),
         ("qwen3_moe", 2, 1, 1, AUX_LOSS + ("--cp", "2", "--ep", "2", "--packing")),
         ("qwen3_moe", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
+        # torch's grouped-GEMM experts (the default) against megatron's SequentialMLP
+        *[("qwen3_moe", nproc, tp, 1, extra + experts) for experts in ((), SEQUENTIAL)
+          for nproc, tp, extra in GROUPED_VS_SEQUENTIAL],
         # scalar reads per micro-batch
         ("qwen2", 1, 1, 1, ("--micro-batch-max-tokens", "1000")),
-        ("qwen2", 1, 1, 1, ("--micro-batch-max-tokens", "20"))):
+        ("qwen2", 1, 1, 1, ("--micro-batch-max-tokens", "20")))):
     _arch, _nproc, _tp, _pp, _extra = _key
     STEPS.add(_key, _nproc, _arch, ("--tp", _tp, "--pp", _pp, *_extra))
 
@@ -257,6 +268,29 @@ def test_moe_train_step_across_expert_layouts_and_against_transformers(tiny_qwen
             torch.testing.assert_close(replayed["weights"][name], tensor, rtol=0, atol=1e-6,
                                        msg=f"{name} with routing replay, {nproc} ranks "
                                            f"TP{tp} PP{pp} {' '.join(extra)}")
+
+
+def test_grouped_experts_equal_sequential_mlp(tiny_qwen3_moe_dir, request):
+    """torch's grouped-GEMM experts (model.moe_experts=auto on the local spec) against
+    megatron's SequentialMLP, one train step from the same weights in each layout: the
+    forward (the old log-probs) and the update (every weight after AdamW, so the backward's
+    gradients) equal within float32 rounding; in bfloat16, the two paths' GEMMs round alike."""
+    for nproc, tp, extra in GROUPED_VS_SEQUENTIAL:
+        grouped = train(request, "qwen3_moe", nproc, tp, 1, *extra)
+        sequential = train(request, "qwen3_moe", nproc, tp, 1, *extra, *SEQUENTIAL)
+        where = f"{nproc} ranks TP{tp} {' '.join(extra)}"
+        assert grouped["experts_modules"] == ["TorchGroupedMLP"], where
+        assert sequential["experts_modules"] == ["SequentialMLP"], where
+        bf16 = "bfloat16" in extra
+        tol = dict(rtol=1e-2, atol=1e-2) if bf16 else dict(rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grouped["clean_old_logp"], sequential["clean_old_logp"],
+                                   **tol, msg=f"old log-probs, {where}")
+        assert grouped["metrics"]["grad_norm"] == pytest.approx(
+            sequential["metrics"]["grad_norm"], rel=1e-2 if bf16 else 1e-6), where
+        assert sorted(grouped["weights"]) == sorted(sequential["weights"])
+        for name, tensor in grouped["weights"].items():
+            torch.testing.assert_close(tensor, sequential["weights"][name], **tol,
+                                       msg=f"{name}, {where}")
 
 
 def per_expert_names(state: dict) -> dict:

@@ -1,0 +1,144 @@
+"""Mixture-of-experts experts on ``torch.nn.functional.grouped_mm``: every local expert of a
+layer in one grouped GEMM per projection, without TransformerEngine or the ``grouped_gemm``
+package (``model.moe_experts=grouped``, the local spec's default).
+
+:class:`TorchGroupedMLP` is megatron-core's ``SequentialMLP`` with another forward: the same
+submodules (``local_experts.{i}.linear_fc1`` / ``linear_fc2``), so the same parameters, state
+dict, dist-checkpoint keys, HF conversion rules and weight sync. ``SequentialMLP`` splits the
+tokens on the host (``tokens_per_expert.tolist()``, a device synchronisation per layer) and
+runs each expert's MLP in turn; here the token counts become ``grouped_mm`` offsets on the
+device and each projection is one call for all local experts.
+
+The experts' weights stay separate parameters (megatron's gradient buffers, distributed
+optimizer and checkpoints see ``SequentialMLP``'s). :class:`_GroupedLinear` stacks a
+projection's weights for the duration of one GEMM, in the forward and again in the backward,
+and saves the parameters themselves for the backward, so no stacked copy is kept alive between
+the two: the transient cost is one projection's local expert weights.
+
+The local linears are plain matmuls here: megatron's expert linears do no communication of
+their own (``explicit_expert_comm``; the token dispatcher moves the tokens, also over the
+expert-tensor-parallel group), and with one rank and no expert parallelism the parallel
+linears are identities around ``x @ W.T``. Biases, fp8/fp4 and the TE activation are not
+supported here (none is used by the architectures of this project): the layer refuses them
+when it is built.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_GROUPED_MLP = None  # the class, built on first use (megatron is imported lazily)
+_MIN_STRIDE_BYTES = 16  # grouped_mm's alignment rule for its operands' strides
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(F, "grouped_mm")
+
+
+def _aligned(*sizes: int, dtype: torch.dtype) -> bool:
+    width = torch.empty((), dtype=dtype).element_size()
+    return all((size * width) % _MIN_STRIDE_BYTES == 0 for size in sizes)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[rows of group g] = x[rows of group g] @ weights[g].T`` with ``offs`` the groups'
+    cumulative row counts (int32, on the device); the weights' gradients land on the
+    individual parameters."""
+
+    @staticmethod
+    def forward(ctx, x, offs, *weights):
+        stacked = torch.stack(weights)  # [groups, out, in]
+        ctx.save_for_backward(x, offs, *weights)
+        return F.grouped_mm(x, stacked.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, offs, *weights = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.grouped_mm(grad_y, torch.stack(weights), offs=offs)
+        if any(ctx.needs_input_grad[2:]):
+            # [out, tokens] x [tokens, in], the token dimension cut by offs -> [groups, out, in]
+            grad_w = F.grouped_mm(grad_y.t(), x.contiguous(), offs=offs)
+        grads = grad_w.unbind(0) if grad_w is not None else (None,) * len(weights)
+        return (grad_x, None, *grads)
+
+
+def grouped_linear(x: torch.Tensor, offs: torch.Tensor, weights: list[torch.Tensor]):
+    return _GroupedLinear.apply(x, offs, *weights)
+
+
+def _grouped_mlp_class():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class TorchGroupedMLP(SequentialMLP):
+        """``SequentialMLP``'s parameters, every local expert in one grouped GEMM per
+        projection (module doc)."""
+
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+            super().__init__(num_local_experts, config, submodules, pg_collection)
+            unsupported = [name for name, on in (
+                ("add_bias_linear", config.add_bias_linear), ("fp8", config.fp8),
+                ("fp4", getattr(config, "fp4", None)),
+                ("use_te_activation_func", getattr(config, "use_te_activation_func", False)),
+                ("bias_activation_fusion", config.bias_activation_fusion)) if on]
+            if unsupported:
+                raise ValueError("model.moe_experts=grouped (torch grouped GEMM) does not "
+                                 f"support {', '.join(unsupported)}; use "
+                                 "model.moe_experts=sequential")
+            if not grouped_mm_available():
+                raise RuntimeError("model.moe_experts=grouped needs torch.nn.functional."
+                                   f"grouped_mm (torch >= 2.10; this is {torch.__version__}); "
+                                   "use model.moe_experts=sequential")
+
+        def forward(self, hidden, tokens_per_expert, probs):
+            config = self.config
+            if config.moe_apply_probs_on_input:
+                dtype = hidden.dtype
+                hidden = (probs.unsqueeze(-1) * hidden).to(dtype)
+                probs = torch.ones_like(probs)
+            fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
+            fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
+            if not _aligned(hidden.shape[-1], fc1[0].shape[0], fc2[0].shape[0],
+                            fc2[0].shape[1], dtype=hidden.dtype):
+                # grouped_mm's kernels need 16-byte strides; such odd sizes take the loop
+                return super().forward(hidden, tokens_per_expert, probs)
+            offs = tokens_per_expert.to(device=hidden.device, dtype=torch.int32,
+                                        non_blocking=True).cumsum(0, dtype=torch.int32)
+            intermediate = grouped_linear(hidden, offs, fc1)
+            if config.gated_linear_unit:
+                gate, linear = torch.chunk(intermediate, 2, dim=-1)
+                clamp = config.activation_func_clamp_value
+                if clamp is not None:
+                    gate = gate.clamp(min=None, max=clamp)
+                    linear = linear.clamp(min=-clamp, max=clamp)
+                intermediate = config.activation_func(gate) * (linear
+                                                              + config.glu_linear_offset)
+            else:
+                intermediate = config.activation_func(intermediate)
+            dtype = intermediate.dtype
+            intermediate = (intermediate * probs.unsqueeze(-1)).to(dtype)
+            return grouped_linear(intermediate, offs, fc2), None
+
+    return TorchGroupedMLP
+
+
+def torch_grouped_mlp():
+    """:class:`TorchGroupedMLP` (module doc)."""
+    global _GROUPED_MLP
+    if _GROUPED_MLP is None:
+        _GROUPED_MLP = _grouped_mlp_class()
+    return _GROUPED_MLP
+
+
+def use_grouped_experts(block_spec) -> None:
+    """Put :class:`TorchGroupedMLP` in every mixture-of-experts layer of a local block spec
+    (in place of ``SequentialMLP``)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for layer_spec in block_spec.layer_specs:
+        experts = getattr(getattr(layer_spec.submodules.mlp, "submodules", None), "experts",
+                          None)
+        if experts is not None and experts.module is SequentialMLP:
+            experts.module = torch_grouped_mlp()
