@@ -157,8 +157,15 @@ class RolloutConfig:
     weights; the tokens it had keep the version and log-prob that sampled them. ``restart``:
     its tokens are dropped and it starts over under the new weights (less stale data, more
     generation). docs/ASYNC.md."""
+    gather_timeout_minutes: float = 180.0
+    """How long a replica that finished its share may wait for the slowest one where the
+    replicas exchange responses (a gloo group of its own, on the host): above the longest
+    rollout a recipe can take. A rank that fails ends the job sooner, through the launcher."""
 
     def __post_init__(self):
+        if self.gather_timeout_minutes <= 0:
+            raise ValueError("rollout.gather_timeout_minutes must be > 0, got "
+                             f"{self.gather_timeout_minutes}")
         if self.num_samples_per_prompt < 1:
             raise ValueError(
                 f"rollout.num_samples_per_prompt must be >= 1, got {self.num_samples_per_prompt}")
@@ -698,10 +705,18 @@ def _field_docs(cls: type) -> dict[str, str]:
 def config_reference() -> str:
     """Every ``section.key`` with its type, default and documentation, as Markdown
     (``rlep config --reference``)."""
+    import textwrap
+
+    sections = _section_types()
     lines = ["# rlep configuration reference", "",
-             "Generated from `rlep_megatron/config.py` by `rlep config --reference`.", ""]
+             "Generated from `rlep_megatron/config.py` by `rlep config --reference`. How to set",
+             "keys, and the names other trainers use for them: docs/configuration.md.", "",
+             "Sections:", ""]
+    lines += [f"- [{name}](#{name}): {len(dataclasses.fields(cls))} keys"
+              for name, cls in sections.items()]
+    lines.append("")
     defaults = config_to_dict(RunConfig())
-    for section, cls in _section_types().items():
+    for section, cls in sections.items():
         lines += [f"## {section}", ""]
         hints = typing.get_type_hints(cls)
         docs = _field_docs(cls)
@@ -709,8 +724,11 @@ def config_reference() -> str:
             kind = str(hints[f.name]).replace("typing.", "")
             if kind.startswith("<class"):
                 kind = hints[f.name].__name__
-            lines.append(f"- `{section}.{f.name}` ({kind}, default "
-                         f"`{defaults[section][f.name]!r}`): {docs.get(f.name, '')}")
+            # wrapped for reading as plain text; a Markdown list item continues when indented
+            lines += textwrap.wrap(f"- `{section}.{f.name}` ({kind}, default "
+                                   f"`{defaults[section][f.name]!r}`): {docs.get(f.name, '')}",
+                                   width=100, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False)
         lines.append("")
     return "\n".join(lines)
 

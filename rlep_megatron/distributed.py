@@ -185,8 +185,26 @@ def current_context(device: Optional[torch.device] = None) -> ParallelContext:
     )
 
 
+_ROLLOUT_GROUP = None
+
+
+def rollout_group(timeout_minutes: float = 180.0):
+    """A gloo group over the whole world for the rollout's object collectives (the gather of
+    responses, the delivery of routing tables): host memory, and its own timeout
+    (``rollout.gather_timeout_minutes``), so that a replica that finishes early waits for the
+    slowest one there and not inside a GPU collective's watchdog. Created by the first call
+    (collective: every rank makes it at the same point, when the rollout engine is built)."""
+    global _ROLLOUT_GROUP
+    if _ROLLOUT_GROUP is None:
+        _ROLLOUT_GROUP = torch.distributed.new_group(
+            backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+    return _ROLLOUT_GROUP
+
+
 def destroy() -> None:
     """Tear down megatron parallel state and the process group (safe to call twice)."""
+    global _ROLLOUT_GROUP
+    _ROLLOUT_GROUP = None
     try:
         from megatron.core import parallel_state
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -84,6 +84,9 @@ class LearningSide:
             raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} needs a "
                              "mixture-of-experts model; this one is dense: use off")
         self.routing_replay = None
+        # the engine's routing tables reach only the ranks that train them (old_logprob.py)
+        self.share_of_rank: Optional[list[int]] = None
+        self.routing_bytes_received = 0
         if self.moe:
             from rlep_megatron.actor.routing import RoutingReplay
 

@@ -57,11 +57,15 @@ def old_logprob_pass(side, batch: StepBatch, plan: list[list[int]], load):
     cfg = side.cfg
     dp, dp_rank = side.ctx.data_parallel_size, side.ctx.data_parallel_rank
     parts, seqs = [], []
+    shares: list[list] = [[] for _ in range(dp)]  # what every DP rank trains
     for indices in plan:
         # split across DP ranks by token count, so that no rank waits on the longest
         # sequences
         sizes = [batch.length(batch.sequences[i]) for i in indices]
-        mine = [indices[j] for j in balanced_partition(sizes, dp)[dp_rank]]
+        split = balanced_partition(sizes, dp)
+        for share, chosen_rows in zip(shares, split):
+            share += [batch.sequences[indices[j]] for j in chosen_rows]
+        mine = [indices[j] for j in split[dp_rank]]
         # a mini-batch with fewer sequences than DP ranks leaves some ranks none: they
         # still take part in every collective, with one fully masked row (no loss, no
         # gradient)
@@ -80,6 +84,8 @@ def old_logprob_pass(side, batch: StepBatch, plan: list[list[int]], load):
                 "pack_max_tokens": budget if cfg.trainer.sequence_packing else None}
     temperature = cfg.rollout.temperature
     load.skip_rows = torch.tensor(placeholders, dtype=torch.long)  # not routed for real
+    if side.routing_replay:
+        deliver_routing(side, shares)
     engine = (engine_routing(side.routing_replay, seqs, placeholders, ids.shape)
               if side.routing_replay else None)
     replay = cfg.algo.routing_replay
@@ -106,6 +112,27 @@ def old_logprob_pass(side, batch: StepBatch, plan: list[list[int]], load):
             None if ref is None else ref[rows, :width],
             None if routing is None or replay == "off"
             else {layer: experts[rows, :width] for layer, experts in routing.items()})
+
+
+def deliver_routing(side, shares: list[list]) -> None:
+    """The engine's routing of the sequences this DP rank trains, from the replicas that hold
+    it (:func:`~rlep_megatron.rollout.routing_store.deliver`); tables held longer than the
+    staleness bound allows leave the hold. Collective over the rollout's gloo group whenever
+    any sequence of the step has a held table (the same on every rank)."""
+    from rlep_megatron import distributed
+    from rlep_megatron.models import num_experts
+    from rlep_megatron.rollout import routing_store
+
+    if any(getattr(seq, "routing_key", None) is not None and seq.routing is None
+           for share in shares for seq in share):
+        group = distributed.rollout_group()
+        if side.share_of_rank is None:
+            side.share_of_rank = distributed.all_gather_object(side.ctx.data_parallel_rank,
+                                                               group=group)
+        side.routing_bytes_received = routing_store.deliver(
+            shares, side.ctx.data_parallel_rank, side.share_of_rank, group,
+            num_experts(side.info.hf_config))
+    routing_store.HOLD.age_out(keep=side.cfg.trainer.max_staleness + 2)
 
 
 def engine_routing(routing_replay, seqs: list[Sample], placeholders: list[int], shape

@@ -12,8 +12,12 @@ device and each projection is one call for all local experts.
 The experts' weights stay separate parameters (megatron's gradient buffers, distributed
 optimizer and checkpoints see ``SequentialMLP``'s). :class:`_GroupedLinear` stacks a
 projection's weights for the duration of one GEMM, in the forward and again in the backward,
-and saves the parameters themselves for the backward, so no stacked copy is kept alive between
-the two: the transient cost is one projection's local expert weights.
+into one scratch buffer per device and dtype that every layer reuses, and saves the parameters
+themselves for the backward, so no stacked copy is kept per layer: the cost is one buffer of a
+projection's local expert weights (at the Qwen3-30B-A3B layer, 2 x 768 x 2048 x 2 bytes = 6 MiB
+per local expert) and a copy of each projection's weights per GEMM, small next to the GEMM once
+an expert gets hundreds of tokens (on a CPU with few tokens per expert it is not: see
+``bench/moe_experts.py``).
 
 The local linears are plain matmuls here: megatron's expert linears do no communication of
 their own (``explicit_expert_comm``; the token dispatcher moves the tokens, also over the
@@ -40,6 +44,23 @@ def _aligned(*sizes: int, dtype: torch.dtype) -> bool:
     return all((size * width) % _MIN_STRIDE_BYTES == 0 for size in sizes)
 
 
+_SCRATCH: dict = {}  # (device, dtype) -> the flat buffer the weights are stacked into
+
+
+def _stacked(weights) -> torch.Tensor:
+    """``torch.stack(weights)`` in the shared scratch buffer (module doc); valid until the next
+    call (the GEMMs that read it are queued on the same stream before that)."""
+    first = weights[0]
+    shape = (len(weights), *first.shape)
+    numel = len(weights) * first.numel()
+    key = (first.device, first.dtype)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < numel:
+        _SCRATCH.pop(key, None)
+        buffer = _SCRATCH[key] = torch.empty(numel, dtype=first.dtype, device=first.device)
+    return torch.stack(weights, out=buffer[:numel].view(shape))
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[rows of group g] = x[rows of group g] @ weights[g].T`` with ``offs`` the groups'
     cumulative row counts (int32, on the device); the weights' gradients land on the
@@ -47,9 +68,8 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offs, *weights):
-        stacked = torch.stack(weights)  # [groups, out, in]
         ctx.save_for_backward(x, offs, *weights)
-        return F.grouped_mm(x, stacked.transpose(1, 2), offs=offs)
+        return F.grouped_mm(x, _stacked(weights).transpose(1, 2), offs=offs)  # [groups, in, out]
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -57,7 +77,7 @@ class _GroupedLinear(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = F.grouped_mm(grad_y, torch.stack(weights), offs=offs)
+            grad_x = F.grouped_mm(grad_y, _stacked(weights), offs=offs)
         if any(ctx.needs_input_grad[2:]):
             # [out, tokens] x [tokens, in], the token dimension cut by offs -> [groups, out, in]
             grad_w = F.grouped_mm(grad_y.t(), x.contiguous(), offs=offs)

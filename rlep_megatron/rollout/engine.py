@@ -56,6 +56,9 @@ class Response:
     versions: list[tuple[int, int]] = field(default_factory=list)
     """``(policy version, number of tokens)`` spans over ``token_ids``, in order: which weights
     sampled each token (set by the scheduler that drove the engine)."""
+    routing_key: Optional[tuple[int, int]] = None
+    """Where ``routing`` went when several replicas gathered their responses: ``(rank, key)``
+    of the rank that holds it (:mod:`rlep_megatron.rollout.routing_store`)."""
 
     @property
     def length(self) -> int:
@@ -221,6 +224,9 @@ class RolloutEngine:
         self.tp_size = tp
         self.dp_size = world // tp        # independent replicas
         self.dp_rank = self.rank // tp    # this rank's replica
+        from rlep_megatron import distributed
+
+        self.gather_group = distributed.rollout_group(cfg.gather_timeout_minutes)
         self.sleep_enabled = cfg.enable_sleep_mode and platform.cuda_available()
         self._stale_reason: Optional[str] = None if load_weights else (
             "it was started with dummy weights and no weight sync has completed yet")
@@ -348,13 +354,19 @@ class RolloutEngine:
 
     def _all_gather(self, local: list[list[Response]], num_prompts: int
                     ) -> list[list[Response]]:
-        """Every replica's responses on every rank (one copy per replica is taken)."""
+        """Every replica's responses on every rank (one copy per replica is taken), over the
+        rollout's gloo group. Routing tables stay with the replica that made them
+        (:func:`~rlep_megatron.rollout.routing_store.hold_for_gather`)."""
         if self.dp_size == 1:
             return local
         from rlep_megatron import distributed
+        from rlep_megatron.rollout.routing_store import hold_for_gather
 
-        gathered = distributed.all_gather_object(local if self.rank % self.tp_size == 0
-                                                 else None)
+        sender = self.rank % self.tp_size == 0
+        if sender:
+            hold_for_gather(local, self.rank)
+        gathered = distributed.all_gather_object(local if sender else None,
+                                                 group=self.gather_group)
         merged = [group for part in gathered if part is not None for group in part]
         if len(merged) != num_prompts:
             raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "

@@ -149,7 +149,8 @@ class RolloutSide:
                     batch.generated_tokens += len(r.token_ids)
                     batch.sequences.append(Sample(group, r.token_ids, r.text, FRESH,
                                                   r.logprobs, r.finish_reason,
-                                                  routing=r.routing, versions=r.versions))
+                                                  routing=r.routing, versions=r.versions,
+                                                  routing_key=r.routing_key))
         with timer.phase("replay"):
             self.add_replays(batch, step)
         with timer.phase("reward"):

@@ -1,0 +1,95 @@
+"""The engine's routing tables (algo.routing_replay=rollout) travel only to the ranks that
+train their sequences: the gather of responses carries none, and the bytes a rank receives
+are its own share's tables, whatever the world size."""
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from tests.torchrun import run_function
+
+pytestmark = pytest.mark.distributed
+
+RESPONSES_PER_REPLICA = 6
+LAYERS, TOP_K, EXPERTS = 3, 2, 8
+
+
+def table(replica: int, index: int) -> np.ndarray:
+    """A recognisable routing table: its positions, and its expert ids, depend on both."""
+    positions = 20 + 7 * index + replica
+    rng = np.random.default_rng(1000 * replica + index)
+    return rng.integers(-1, EXPERTS, size=(positions, LAYERS, TOP_K)).astype(np.int16)
+
+
+def exchange(out: str, tp: int) -> None:
+    """Every rank a replica (one per ``tp`` ranks), each with its responses and tables; the
+    responses gathered as the engine gathers them, then split over the data-parallel ranks
+    (the actor's TP groups of ``tp`` ranks) and the tables delivered."""
+    import torch
+
+    from rlep_megatron import distributed
+    from rlep_megatron.data.batch import Sample
+    from rlep_megatron.rollout import routing_store
+    from rlep_megatron.rollout.engine import Response, RolloutEngine
+
+    distributed.init_process_group()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    replica = rank // tp
+    local = [[Response(i, [1, 2, 3], [0.0] * 3, "", "stop", routing=table(replica, i))]
+             for i in range(RESPONSES_PER_REPLICA)]
+    engine = RolloutEngine.__new__(RolloutEngine)
+    engine.__dict__.update(rank=rank, tp_size=tp, dp_size=world // tp,
+                           gather_group=distributed.rollout_group())
+    sent = len(pickle.dumps(local))
+    merged = engine._all_gather(local, RESPONSES_PER_REPLICA * world // tp)
+    gathered_bytes = len(pickle.dumps(merged))
+    seqs = [Sample(g, r.token_ids, "", "fresh", routing=r.routing, routing_key=r.routing_key)
+            for g, group in enumerate(merged) for r in group]
+    origin = [(g // RESPONSES_PER_REPLICA, g % RESPONSES_PER_REPLICA)
+              for g in range(len(seqs))]
+    # data-parallel rank d trains every dp-th sequence, from d on
+    dp = world // tp
+    shares = [seqs[d::dp] for d in range(dp)]
+    share_of_rank = [r // tp for r in range(world)]
+    received = routing_store.deliver(shares, rank // tp, share_of_rank,
+                                     distributed.rollout_group(), EXPERTS)
+    mine = list(range(len(seqs)))[rank // tp::dp]
+    equal = all(np.array_equal(seqs[i].routing, table(*origin[i])) for i in mine)
+    others_untouched = all(seqs[i].routing is None for i in range(len(seqs)) if i not in mine)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"received": received, "equal": equal,
+                       "others_untouched": others_untouched,
+                       "gather_has_routing": any(r.routing is not None for g in merged
+                                                 for r in g),
+                       "sent_with_routing": sent, "gathered_bytes": gathered_bytes,
+                       "dtype": str(seqs[mine[0]].routing.dtype),
+                       "own_share_bytes": sum(table(*origin[i]).size for i in mine)}, f)
+    distributed.destroy()
+
+
+def run(tmp_path, nproc, tp):
+    out = tmp_path / f"delivery-{nproc}-{tp}.json"
+    run_function("tests.distributed.test_routing_delivery:exchange", nproc,
+                 {"out": str(out), "tp": tp})
+    return json.loads(out.read_text())
+
+
+def test_routing_reaches_only_the_ranks_that_train_it(tmp_path):
+    two, four = run(tmp_path, 2, 1), run(tmp_path, 4, 1)
+    tp2 = run(tmp_path, 4, 2)  # 2 replicas of 2 ranks; DP2 x TP2 on the actor's side
+    for result in (two, four, tp2):
+        # every table of this rank's share arrived intact, in one byte per expert id (8
+        # experts), and no other sequence got one
+        assert result["equal"] and result["others_untouched"]
+        assert result["dtype"] == "int8"
+        assert not result["gather_has_routing"]
+        header = 4 + 4 * 3  # each table's rank and shape
+        shares = result["own_share_bytes"] + header * RESPONSES_PER_REPLICA
+        assert result["received"] == shares
+    # the bytes a rank receives: its share (6 sequences in every layout), not the world size
+    assert four["received"] == pytest.approx(two["received"], rel=0.35)
+    # the gather's payload: 4 replicas' responses without tables, less than one replica's
+    # responses with its tables
+    assert four["gathered_bytes"] < two["sent_with_routing"]
