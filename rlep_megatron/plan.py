@@ -19,8 +19,17 @@ from typing import Any, Optional
 from rlep_megatron.config import RunConfig
 
 GIB = 2 ** 30
-CUDA_CONTEXT_GIB = 1.0
-"""Assumed per-GPU memory outside tensors: CUDA context, NCCL buffers, allocator slack."""
+OVERHEAD_GIB = 3.0
+"""Assumed per-GPU memory outside the counted tensors: the CUDA context (about 0.5-1 GiB with
+torch's kernels loaded), NCCL communicators and their buffers (one set per process group), and
+the caching allocator's fragmentation."""
+USABLE_GIB = {"h100": 79.6, "h200": 139.0, "a100": 79.2}
+"""Memory a program can allocate on each card (what ``torch.cuda.mem_get_info`` reports as
+total: the 80 GB H100 and A100 and the 141 GB H200, less what the driver reserves); vLLM's
+``gpu_memory_utilization`` is a fraction of it."""
+PEAK_HEADROOM = 0.9
+"""A plan whose peak passes this fraction of the usable memory fits on paper but has no margin
+for what the estimate leaves out; :func:`plan` says so."""
 VLLM_WORKSPACE_GIB = 2.0
 """Assumed vLLM memory inside its budget besides weights and KV cache (activations of the
 largest batch, CUDA graphs, sampler)."""
@@ -319,16 +328,19 @@ def vllm_bytes(hf_config: dict, cfg: RunConfig, total_params: int, gpu_bytes: fl
             "full_length_sequences": max(0.0, kv_cache) / per_token / sequence}
 
 
-def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
+def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float] = None,
          mfu: float = 0.3, gpu: str = "h100", spec: str = "te") -> dict[str, Any]:
-    """The whole plan as one JSON-able dict (keys documented in README "Before launch")."""
+    """The whole plan as one JSON-able dict (keys documented in docs/memory.md).
+    ``gpu_mem_gib``: the usable memory per GPU; ``None``: the card's (:data:`USABLE_GIB`)."""
     from rlep_megatron.distributed import validate_parallel_layout
     from rlep_megatron.models import layout, layout_limits, llama_family, num_experts
 
-    if gpu_mem_gib <= 0:
-        raise ValueError(f"--gpu-mem-gib must be > 0, got {gpu_mem_gib}")
     if gpu not in PEAK_TFLOPS:
         raise ValueError(f"--gpu must be one of {sorted(PEAK_TFLOPS)}, got {gpu!r}")
+    if gpu_mem_gib is None:
+        gpu_mem_gib = USABLE_GIB[gpu]
+    if gpu_mem_gib <= 0:
+        raise ValueError(f"--gpu-mem-gib must be > 0, got {gpu_mem_gib}")
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
     par = cfg.parallel
@@ -376,9 +388,9 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
         ref = reference * numel * dtype_bytes
         sleeping = 0.0 if cfg.rollout.enable_sleep_mode else rollout["budget"]
         train_peak = (params + grads + optim + chosen + logits + ref + sleeping
-                      + CUDA_CONTEXT_GIB * GIB)
+                      + OVERHEAD_GIB * GIB)
         resident = params + ref + (0.0 if cfg.optim.offload_during_rollout else grads + optim)
-        rollout_peak = resident + rollout["budget"] + CUDA_CONTEXT_GIB * GIB
+        rollout_peak = resident + rollout["budget"] + OVERHEAD_GIB * GIB
         per_stage.append({
             "stage": index, "layers": counted.layers, "params": numel,
             "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim,
@@ -395,6 +407,14 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
                     and rollout["full_length_sequences"] >= 1)
     flops = step_flops(hf_config, cfg, total)
     seconds = flops["total"] / (gpus * PEAK_TFLOPS[gpu] * 1e12 * mfu)
+    peak = max(worst_train["train_peak_gib"], worst_rollout["rollout_peak_gib"])
+    advice = _advice(cfg, fits_train, fits_rollout, rollout)
+    if fits_train and fits_rollout and peak > PEAK_HEADROOM * gpu_mem_gib:
+        advice.insert(0, f"the peak is {peak / gpu_mem_gib:.0%} of the usable memory, above "
+                         f"{PEAK_HEADROOM:.0%}: little margin for what the estimate leaves "
+                         "out" + ("; optim.offload_during_rollout=true frees the gradients "
+                                  "and Adam state while vLLM runs"
+                                  if not cfg.optim.offload_during_rollout else ""))
     return {
         "gpus": gpus, "gpu_mem_gib": gpu_mem_gib, "data_parallel_size": dp,
         "total_params": total["total_params"], "active_params": total["active_params"],
@@ -405,10 +425,11 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: float = 80.0,
         "peak_rollout_gib": worst_rollout["rollout_peak_gib"],
         "fits_train": fits_train, "fits_rollout": fits_rollout,
         "fits": fits_train and fits_rollout,
-        "advice": _advice(cfg, fits_train, fits_rollout, rollout),
+        "peak_fraction": peak / gpu_mem_gib,
+        "advice": advice,
         "flops_per_step": flops, "mfu": mfu, "gpu": gpu,
         "seconds_per_step_at_mfu": seconds,
-        "assumptions": {"cuda_context_gib": CUDA_CONTEXT_GIB,
+        "assumptions": {"overhead_gib": OVERHEAD_GIB, "usable_gib": gpu_mem_gib,
                         "vllm_workspace_gib": VLLM_WORKSPACE_GIB,
                         "sequences_at_full_length": True,
                         "layer_spec": spec,
@@ -507,7 +528,7 @@ def format_plan(result: dict) -> str:
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     lines = [f"{result['total_params'] / 1e9:.2f}B parameters "
              f"({result['active_params'] / 1e9:.2f}B per token outside the embeddings), "
-             f"{result['gpus']} GPUs of {result['gpu_mem_gib']:g} GiB, DP "
+             f"{result['gpus']} GPUs of {result['gpu_mem_gib']:g} GiB usable, DP "
              f"{result['data_parallel_size']}",
              "",
              "per GPU, GiB | " + " | ".join(f"stage {s['stage']}" for s in result["stages"])]
@@ -537,7 +558,9 @@ def format_plan(result: dict) -> str:
                  f"{result['gpu'].upper()}s")
     verdict = "FITS" if result["fits"] else "DOES NOT FIT"
     lines += ["", f"verdict: {verdict} (train peak {result['peak_train_gib']:.1f} GiB, rollout "
-              f"peak {result['peak_rollout_gib']:.1f} GiB of {result['gpu_mem_gib']:g})"]
+              f"peak {result['peak_rollout_gib']:.1f} GiB of {result['gpu_mem_gib']:g}, "
+              f"{result['peak_fraction']:.0%}; {result['assumptions']['overhead_gib']:g} GiB "
+              "per GPU for the CUDA context, NCCL and the allocator included)"]
     lines += [f"  try: {advice}" for advice in result["advice"]]
     return "\n".join(lines)
 

@@ -27,3 +27,27 @@ if [ -n "${IFNAME:-}" ]; then
     export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$IFNAME}"
     export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$IFNAME}"
 fi
+# TransformerEngine compiles some kernels at run time and looks for the CUDA headers under
+# nvidia/cuda_runtime, where torch 2.13's CUDA 13 wheels put them under nvidia/cu13: point it
+# at the headers the environment has (NVTE_CUDA_INCLUDE_DIR), when TE is installed and the
+# variable is not set already.
+if [ -z "${NVTE_CUDA_INCLUDE_DIR:-}" ]; then
+    _RLEP_CUDA_INCLUDE="$("$PYTHON" - <<'PY' 2>/dev/null
+import importlib.util
+import os
+
+if importlib.util.find_spec("transformer_engine") is not None:
+    import nvidia  # the namespace package of the CUDA wheels
+
+    found = [os.path.join(base, sub) for sub in ("cu13/include", "cu12/include",
+                                                 "cuda_runtime/include")
+             for base in nvidia.__path__
+             if os.path.isfile(os.path.join(base, sub, "cuda_runtime.h"))]
+    print(found[0] if found else "")
+PY
+)"
+    if [ -n "$_RLEP_CUDA_INCLUDE" ]; then
+        export NVTE_CUDA_INCLUDE_DIR="$_RLEP_CUDA_INCLUDE"
+    fi
+    unset _RLEP_CUDA_INCLUDE
+fi
