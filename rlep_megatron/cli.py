@@ -6,15 +6,20 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
 * ``rlep config [--config F] [overrides...] [--keys | --reference]``: validate a recipe and
   print the resolved configuration as YAML (``--keys`` lists every valid ``section.key``,
   ``--reference`` documents each: type, default, meaning).
-* ``rlep plan --config F [--gpus N --gpu-mem-gib G] [--json]``: per-GPU memory of the recipe's
-  actor, reference and vLLM engine, and the time per step at an assumed MFU, before launch
-  (:mod:`rlep_megatron.plan`).
+* ``rlep plan --config F [--nodes K --gpus-per-node N --gpu-mem-gib G] [--json]``: per-GPU
+  memory of the recipe's actor, reference and vLLM engine, and the time per step at an assumed
+  MFU, before launch (:mod:`rlep_megatron.plan`).
 * ``rlep train --config F [overrides...]``: the RL loop (baseline DAPO/GRPO, or RLEP when
   ``replay.num_replays_per_prompt`` > 0); resumes from ``checkpoint.resume``.
 * ``rlep collect --config F [overrides...]``: the experience pool from ``collect.checkpoint``.
 * ``rlep eval --config F [overrides...]``: mean/maj/best/pass@k of ``eval.checkpoint``.
-* ``rlep init RECIPE --model DIR --train F [--val F] [--gpus N] [--nodes K] [--pool P]``: a recipe
-  for your own model and data from the shipped templates (:mod:`rlep_megatron.recipe_init`).
+* ``rlep init RECIPE --model DIR --train F [--val F] [--nodes K --gpus-per-node N] [--pool P]``:
+  a recipe for your own model and data from the shipped templates
+  (:mod:`rlep_megatron.recipe_init`).
+
+``init`` and ``plan`` size the job alike: ``--nodes`` x ``--gpus-per-node`` GPUs (1 x 1 by
+default). The old ``--gpus`` (GPUs per node in ``init``, all GPUs in ``plan``) is refused with the
+new spelling.
 * ``rlep demo [--out-dir D] [--long] [--seeds N] [--arms A,B] [--warm-start-seed S] [--jobs J]
   [--prepare-only]``: the whole RLEP pipeline on the tiny default, baseline vs RLEP over
   several seeds (J training runs at a time).
@@ -40,6 +45,26 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="override any config key, e.g. trainer.total_steps=10")
 
 
+class _RefusedGpus(argparse.Action):
+    """``--gpus`` meant GPUs per node in ``rlep init`` and all GPUs in ``rlep plan``: refused,
+    naming the spelling both now share."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is gone (it meant GPUs per node in `rlep init` and all "
+                     "GPUs in `rlep plan`): give --nodes K --gpus-per-node N, e.g. --nodes 4 "
+                     "--gpus-per-node 8 for 32 GPUs")
+
+
+def _add_job_size(parser: argparse.ArgumentParser) -> None:
+    """The job's size, spelled the same in ``rlep init`` and ``rlep plan`` (torchrun's
+    ``--nnodes`` x ``--nproc-per-node``)."""
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job (default 1)")
+    parser.add_argument("--gpus-per-node", type=int, default=1,
+                        help="GPUs per node, one process each (default 1); the world size is "
+                             "nodes x GPUs per node")
+    parser.add_argument("--gpus", action=_RefusedGpus, help=argparse.SUPPRESS)
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlep_megatron.checks import check_run_config
 
@@ -63,7 +88,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = config_lib.load_config(args.config, args.overrides)
     hf_config = plan.load_model_config(cfg, args.hf_config)
-    result = plan.plan(cfg, hf_config, args.gpus, args.gpu_mem_gib, args.mfu, args.gpu,
+    result = plan.plan(cfg, hf_config, args.nodes * args.gpus_per_node, args.gpu_mem_gib,
+                       args.mfu, args.gpu,
                        spec="local" if args.local_spec else "te")
     print(json.dumps(result, indent=1) if args.json else plan.format_plan(result))
     return 0
@@ -109,8 +135,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_init(args: argparse.Namespace) -> int:
     from rlep_megatron.recipe_init import write_recipe
 
-    write_recipe(args.recipe, args.model, args.train, args.val, gpus=args.gpus,
-                 nodes=args.nodes, pool=args.pool, output_dir=args.output_dir, force=args.force)
+    write_recipe(args.recipe, args.model, args.train, args.val, gpus=args.gpus_per_node,
+                 nodes=args.nodes, pool=args.pool, output_dir=args.output_dir, force=args.force,
+                 reward_function=args.reward_function)
     return 0
 
 
@@ -128,7 +155,8 @@ EXAMPLES = """examples:
   rlep demo                                               # the whole pipeline, tiny, on CPU
   rlep config --config examples/rlep.yaml                 # check a recipe, print it resolved
   rlep config --keys                                      # every section.key
-  rlep init my.yaml --model models/M --train data/train.parquet --val data/val.parquet --gpus 8
+  rlep init my.yaml --model models/M --train data/train.parquet --nodes 1 --gpus-per-node 8
+  rlep plan --config my.yaml --nodes 1 --gpus-per-node 8       # memory per GPU, before launch
   rlep train --config examples/tiny_cpu_baseline.yaml trainer.total_steps=10
   rlep collect --config examples/tiny_cpu_rlep.yaml collect.checkpoint=RUN_DIR   # newest checkpoint
   rlep eval --config examples/tiny_cpu_rlep.yaml eval.checkpoint=RUN_DIR/checkpoints/step_00000040
@@ -153,10 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser("plan", help="per-GPU memory and step time of a recipe, before "
                             "launch (no GPU needed)")
     _add_common(p_plan)
-    p_plan.add_argument("--gpus", type=int, default=8, help="GPUs of the run (default 8)")
-    p_plan.add_argument("--gpu-mem-gib", type=float, default=80.0,
-                        help="memory of one GPU in GiB (default 80: H100)")
-    p_plan.add_argument("--gpu", default="h100", help="h100, h200 or a100: peak bf16 FLOP/s")
+    _add_job_size(p_plan)
+    p_plan.add_argument("--gpu-mem-gib", type=float, default=None,
+                        help="usable memory of one GPU in GiB (default: the card's; H100 79.6, "
+                             "H200 139)")
+    p_plan.add_argument("--gpu", default="h100",
+                        help="h100, h200 or a100: peak bf16 FLOP/s and usable memory")
     p_plan.add_argument("--mfu", type=float, default=0.3,
                         help="assumed model FLOPs utilisation for the time per step")
     p_plan.add_argument("--hf-config", default=None,
@@ -165,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="activations of megatron-core's local layer spec (CPU, GPUs "
                              "without TransformerEngine) instead of TransformerEngine's")
     p_plan.add_argument("--json", action="store_true",
-                        help="one JSON object (keys: README, 'Before launch')")
+                        help="one JSON object (keys: docs/memory.md)")
     p_plan.set_defaults(func=_cmd_plan)
     p_train = sub.add_parser("train", help="run RL training (baseline or RLEP)")
     _add_common(p_train)
@@ -185,11 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="training files (DAPO schema; tools/prepare_data.py makes them)")
     p_init.add_argument("--val", nargs="*", default=[], metavar="PARQUET",
                         help="validation files")
-    p_init.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    p_init.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    _add_job_size(p_init)
     p_init.add_argument("--pool", default="", help="an experience pool (`rlep collect`): an "
                         "RLEP recipe with M = 2 replays; without it a baseline (M = 0)")
     p_init.add_argument("--output-dir", default="", help="trainer.output_dir of the recipe")
+    p_init.add_argument("--reward-function", default="", metavar="MODULE:FN|FILE.py:FN",
+                        help="reward.function of the recipe: your own reward for every row "
+                             "(docs/data-and-rewards.md); default: the rules chosen by each "
+                             "row's data_source")
     p_init.add_argument("--force", action="store_true", help="replace an existing recipe file")
     p_init.set_defaults(func=_cmd_init)
     p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")
@@ -209,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "one_step_off (the baseline with trainer.max_staleness=1)")
     p_demo.add_argument("--prepare-only", action="store_true",
                         help="build the task and the warm-started model, then stop (for "
-                             "running the phases by hand, README.md)")
+                             "running the phases by hand, docs/quickstart.md)")
     p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
     p_demo.add_argument("--jobs", type=int, default=None,
                         help="training runs at a time, each with its share of the cores "

@@ -157,12 +157,21 @@ class RolloutConfig:
     weights; the tokens it had keep the version and log-prob that sampled them. ``restart``:
     its tokens are dropped and it starts over under the new weights (less stale data, more
     generation). docs/ASYNC.md."""
+    engine_routing: Literal["auto", "output", "capture"] = "auto"
+    """Where the engine's routing comes from when ``algo.routing_replay=rollout`` replays it:
+    ``output``, vLLM's own ``routed_experts`` (its V2 model runner, CUDA graphs kept; GPU
+    only); ``capture``, a hook on the routers of vLLM's V1 runner (on a GPU without CUDA
+    graphs: slower decoding; the only way on CPU); ``auto``: ``output`` on a GPU, ``capture`` on
+    CPU. docs/models.md."""
     gather_timeout_minutes: float = 180.0
     """How long a replica that finished its share may wait for the slowest one where the
     replicas exchange responses (a gloo group of its own, on the host): above the longest
     rollout a recipe can take. A rank that fails ends the job sooner, through the launcher."""
 
     def __post_init__(self):
+        if self.engine_routing not in ("auto", "output", "capture"):
+            raise ValueError("rollout.engine_routing must be auto, output or capture, got "
+                             f"{self.engine_routing!r}")
         if self.gather_timeout_minutes <= 0:
             raise ValueError("rollout.gather_timeout_minutes must be > 0, got "
                              f"{self.gather_timeout_minutes}")

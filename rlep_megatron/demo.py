@@ -48,11 +48,11 @@ logger = logging.getLogger(__name__)
 # with one slipped solution per easy question and two per hard one. RL trains on 128 other
 # questions (each used about 4 times in 30 steps of 16 prompts) and validation asks 64 more,
 # disjoint from both modulo commutativity. Measured on 2 cores (warm-start seed 0, 4 training
-# seeds, README "The tiny default"): the baseline's validation mean@8 rises from 49% to a
+# seeds, bench/RESULTS.md "The tiny demo"): the baseline's validation mean@8 rises from 49% to a
 # best of 71% in 30 steps, choosing the column form more often. The earlier task (direct
 # answers only, operands 0..49) gained 1.6-3.5 points at best, inside the validation noise:
-# RL sharpened the trained questions' answers and little carried over. The README's "The tiny
-# default" has the figures over warm-start seeds and thread counts.
+# RL sharpened the trained questions' answers and little carried over. bench/RESULTS.md has the
+# figures over warm-start seeds and thread counts (docs/demo.md: what the demo shows).
 TASK = {"kind": "column", "num_train": 3000, "num_rl_train": 128, "num_val": 64,
         "max_operand": 99, "num_slips_easy": 1, "num_slips_hard": 2, "stepwise_fraction": 0.25}
 # 2500 supervised steps at a peak lr of 1e-3 (why not 3e-3: tiny_task.warm_start's docstring).

@@ -1,5 +1,6 @@
 """Per-step metrics: ``metrics.jsonl`` (one JSON object per step) mirrored to TensorBoard and/or
-Weights & Biases, and rank-0 progress bars.
+Weights & Biases, the one log line per step (:func:`format_step_line`), and rank-0 progress
+bars (drawn on a terminal only; a log line every 30 s elsewhere).
 
 Each record is written with a single ``write`` on a file opened with ``O_APPEND`` and flushed to
 disk, so a crash or a kill leaves at most one incomplete last line; reopening the file drops that
@@ -158,14 +159,98 @@ class MetricsWriter:
         return False
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _validation_means(metrics: dict[str, Any]) -> list[str]:
+    """``val/<source>/mean@k`` as ``<source> mean@k 61.2%``, in key order."""
+    return [f"{key[4:].replace('/', ' ')} {100 * float(metrics[key]):.1f}%"
+            for key in sorted(metrics) if key.startswith("val/") and "/mean@" in key]
+
+
+def format_step_line(step: int, total_steps: int, metrics: dict[str, Any],
+                     eta_s: Optional[float] = None) -> str:
+    """The one log line of a training step: the few numbers a person watches, from the step's
+    ``metrics.jsonl`` record (whose keys stay as they are). Reward and accuracy of the fresh
+    rollouts, the replayed share (RLEP runs), validation when the step has it, the KL penalty's
+    estimate when it is on (``train/kl_k3``) or else the rollout/actor mismatch
+    (``rollout/mismatch_kl_k3``), the gradient norm, the step's seconds (validation and
+    checkpoint included) and its trained tokens (prompt + response) per second of the step's
+    own phases, and an ETA."""
+    parts = [f"step {step}/{total_steps}"]
+
+    def has(key: str) -> bool:
+        value = metrics.get(key)
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if has("rollout/reward_mean"):
+        parts.append(f"reward {metrics['rollout/reward_mean']:+.3f}"
+                     + (f" acc {100 * metrics['rollout/acc_mean']:.1f}%"
+                        if has("rollout/acc_mean") else ""))
+    if has("replay/fraction") and metrics["replay/fraction"] > 0:
+        parts.append(f"replay {100 * metrics['replay/fraction']:.0f}%")
+    validation = _validation_means(metrics)
+    if validation:
+        parts.append("val " + ", ".join(validation))
+    if has("train/kl_k3"):
+        parts.append(f"kl {metrics['train/kl_k3']:.2e}")
+    elif has("rollout/mismatch_kl_k3"):
+        parts.append(f"mismatch {metrics['rollout/mismatch_kl_k3']:.1e}")
+    if has("train/grad_norm"):
+        parts.append(f"grad {metrics['train/grad_norm']:.3g}")
+    if has("timing/step_s"):
+        seconds = metrics["timing/step_s"] + sum(
+            metrics[k] for k in ("timing/validate_s", "timing/checkpoint_s") if has(k))
+        text = f"{seconds:.1f} s"
+        if (has("timing/train_tokens_per_s") and has("timing/train_s")
+                and metrics["timing/step_s"] > 0):
+            # the trained sequences' tokens (prompt + response) per second of the whole step
+            trained = metrics["timing/train_tokens_per_s"] * metrics["timing/train_s"]
+            text += f", {trained / metrics['timing/step_s']:,.0f} tok/s"
+        parts.append(text)
+    elif has("timing/validate_s"):
+        parts.append(f"{metrics['timing/validate_s']:.1f} s")
+    if eta_s is not None and step < total_steps:
+        parts.append(f"eta {_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+class _LogLines:
+    """A file for tqdm off a terminal: each bar it draws becomes one log line (tqdm's
+    ``mininterval`` spaces them), so a log file gets no carriage-return debris."""
+
+    def __init__(self, name: str):
+        self.log = logging.getLogger(name)
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.log.info("%s", text)
+
+    def flush(self) -> None:
+        pass
+
+
 def progress(iterable: Optional[Iterable] = None, total: Optional[int] = None, desc: str = "",
              unit: str = "it", enabled: Optional[bool] = None):
-    """A tqdm bar on rank 0 (rate and ETA); silent elsewhere."""
+    """A tqdm bar on rank 0 (rate and ETA) when stderr is a terminal; off a terminal (a log
+    file, a batch job) the same bar as a log line at most every 30 s; silent elsewhere."""
+    import sys
+
     from tqdm.auto import tqdm
 
     if enabled is None:
         from rlep_megatron.distributed import is_rank0
 
         enabled = is_rank0()
-    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled,
-                dynamic_ncols=True)
+    if sys.stderr.isatty():
+        return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled,
+                    dynamic_ncols=True)
+    return tqdm(iterable, total=total, desc=desc, unit=unit, disable=not enabled, ncols=100,
+                ascii=True, mininterval=30.0, file=_LogLines(__name__))

@@ -4,7 +4,7 @@ The template follows the hardware: ``examples/one_gpu.yaml`` for one GPU,
 ``examples/one_node.yaml`` for one node of several GPUs, the paper's 64-GPU recipes
 (``examples/dapo_nodyn_bs64.yaml``, ``examples/rlep.yaml`` with a pool) for several nodes. Into
 it go the model directory, the data files, the output directory and (with ``--pool``) RLEP's
-M = 2 replays; tensor parallelism is lowered until it divides the model's attention and
+M = 2 replays, and (with ``--reward-function``) your own reward; tensor parallelism is lowered until it divides the model's attention and
 key/value heads and the GPUs of a node, and the response budget is cut to the model's context.
 The result is checked like ``rlep config`` before it is written, and an existing file is never
 overwritten without ``--force``.
@@ -23,7 +23,7 @@ from rlep_megatron.models import num_experts
 
 def template_name(gpus: int, nodes: int, pool: bool) -> str:
     if gpus < 1 or nodes < 1:
-        raise ValueError(f"--gpus and --nodes must be >= 1, got {gpus} and {nodes}")
+        raise ValueError(f"--gpus-per-node and --nodes must be >= 1, got {gpus} and {nodes}")
     if gpus * nodes == 1:
         return "one_gpu.yaml"
     if nodes == 1:
@@ -52,7 +52,8 @@ def _model_config(model_dir: str) -> dict:
 
 
 def make_recipe(model_dir: str, train_files: list[str], val_files: list[str], gpus: int = 1,
-                nodes: int = 1, pool: str = "", output_dir: str = "") -> tuple[dict, str, list[str]]:
+                nodes: int = 1, pool: str = "", output_dir: str = "",
+                reward_function: str = "") -> tuple[dict, str, list[str]]:
     """``(recipe as a dict, template file name, notes on what was adapted)``."""
     from rlep_megatron.demo import examples_dir
 
@@ -68,6 +69,8 @@ def make_recipe(model_dir: str, train_files: list[str], val_files: list[str], gp
     raw["trainer"]["output_dir"] = output_dir or raw["trainer"]["output_dir"]
     raw["replay"]["num_replays_per_prompt"] = 2 if pool else 0
     raw["replay"]["pool_files"] = [pool] if pool else []
+    if reward_function:
+        raw.setdefault("reward", {})["function"] = reward_function
     raw.setdefault("collect", {})["output_file"] = ""  # <output_dir>/pool.parquet
     heads = hf.get("num_attention_heads")
     kv_heads = hf.get("num_key_value_heads", heads)
@@ -110,9 +113,26 @@ def launch_command(recipe: str, gpus: int, nodes: int) -> str:
             f"GPUS_PER_NODE={gpus} scripts/train_multinode.sh {recipe}")
 
 
+RENDEZVOUS_PORT = 29500
+
+
+def torchrun_lines(recipe: str, gpus: int, nodes: int, job: str = "train") -> list[str]:
+    """The raw ``torchrun`` line of each node (``$MASTER_ADDR``: node 0's address, left to the
+    shell), what ``scripts/train_multinode.sh`` and the Slurm template of docs/multinode.md
+    run: a c10d rendezvous hosted on node 0, ``gpus`` ranks per node."""
+    if nodes == 1:
+        return [f"torchrun --standalone --nproc-per-node {gpus} -m rlep_megatron.cli {job} "
+                f"--config {recipe}"]
+    endpoint = f"$MASTER_ADDR:{RENDEZVOUS_PORT}"
+    return [f"torchrun --nnodes {nodes} --node-rank {rank} --nproc-per-node {gpus} "
+            f"--rdzv-backend c10d --rdzv-endpoint {endpoint} "
+            f"--rdzv-id rlep-$MASTER_ADDR-{RENDEZVOUS_PORT} --rdzv-conf is_host={int(rank == 0)} "
+            f"-m rlep_megatron.cli {job} --config {recipe}" for rank in range(nodes)]
+
+
 def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: list[str],
                  gpus: int = 1, nodes: int = 1, pool: str = "", output_dir: str = "",
-                 force: bool = False) -> dict:
+                 force: bool = False, reward_function: str = "") -> dict:
     """Make, check (as ``rlep config`` does) and write the recipe; returns it."""
     from rlep_megatron.checks import check_run_config
     from rlep_megatron.config import config_from_dict
@@ -122,7 +142,7 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
     if not train_files:
         raise ValueError("give at least one training file (--train)")
     raw, name, notes = make_recipe(model_dir, train_files, val_files, gpus, nodes, pool,
-                                   output_dir)
+                                   output_dir, reward_function)
     cfg = config_from_dict(raw)
     saved = os.environ.pop("WORLD_SIZE", None)  # checked for the recipe's own world size
     try:
@@ -142,4 +162,15 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
         print(f"adapted: {note}")
     print(f"wrote {path} (from examples/{name})\nnext: rlep config --config {path}\n"
           f"then: {launch_command(path, gpus, nodes)}")
+    if gpus * nodes > 1:
+        lines = torchrun_lines(path, gpus, nodes)
+        where = ("" if nodes == 1 else
+                 " (each node its own line; MASTER_ADDR: node 0's address on the network the "
+                 "nodes share)")
+        print(f"or torchrun{where}:")
+        shown = lines if len(lines) <= 4 else lines[:2]
+        for rank, line in enumerate(shown):
+            print(f"  node {rank}: {line}" if nodes > 1 else f"  {line}")
+        if len(shown) < len(lines):
+            print(f"  node r = 2 .. {nodes - 1}: node 1's line with --node-rank r")
     return raw

@@ -214,8 +214,6 @@ class Trainer:
         self.learner.with_train_state(lambda: self.checkpoints.save(self))
 
     def run(self) -> None:
-        from rlep_megatron.metrics import progress
-
         cfg = self.cfg
         resumed = self.learner.with_train_state(lambda: self.checkpoints.maybe_resume(self),
                                                 resync=False)
@@ -229,8 +227,9 @@ class Trainer:
             with timer.phase("validate"):
                 values = self.validate()
             self._log(self.step, {**values, **timer.values})
-        for _ in progress(range(self.step, cfg.trainer.total_steps), desc="train",
-                          total=cfg.trainer.total_steps - self.step):
+        # the step lines give the progress (step i/N, seconds, ETA): no bar between them
+        self._first_step, self._loop_start = self.step, time.perf_counter()
+        for _ in range(self.step, cfg.trainer.total_steps):
             metrics = self.train_step()
             timer = Timer()
             if self.val_rows is not None and interval and self.step % interval == 0:
@@ -245,10 +244,12 @@ class Trainer:
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.metrics is not None:
             self.metrics.log(step, metrics)
-            short = {k: round(v, 4) for k, v in metrics.items()
-                     if k in ("rollout/acc_mean", "train/pg_loss", "replay/fraction",
-                              "timing/step_s") or k.startswith("val/") and "mean@" in k}
-            logger.info("step %d: %s", step, short)
+            from rlep_megatron.metrics import format_step_line
+
+            total, done = self.cfg.trainer.total_steps, step - getattr(self, "_first_step", step)
+            eta = ((time.perf_counter() - self._loop_start) / done * (total - step)
+                   if done > 0 else None)
+            logger.info("%s", format_step_line(step, total, metrics, eta))
 
     def close(self, failed: bool = False, release_engine: bool = True) -> None:
         """Release the run's resources. After a failure only this process's own (metrics

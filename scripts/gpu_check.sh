@@ -1,29 +1,146 @@
 #!/usr/bin/env bash
-# One command on a GPU node (one GPU is enough): the gpu-marked tests and the actor throughput
-# bench. Needs the GPU stack (scripts/setup_gpu.sh, or wheels carried in); no internet. With
-# megatron-core alone (no vLLM, no TransformerEngine) the actor's tests run on the local spec and
-# the engine's and TransformerEngine's tests are skipped, each with its reason.
+# One command on a GPU node (one GPU is enough): the gpu-marked tests, the mixture-of-experts
+# experts (torch's grouped GEMM against megatron's SequentialMLP: parity and speed) and the
+# actor throughput bench with its planner-vs-measured memory check; one table at the end.
 #
-#   bash scripts/gpu_check.sh            # PYTHON=path/to/python to choose the interpreter
+#   bash scripts/gpu_check.sh            # the GPU set-up's venv (scripts/setup_gpu.sh)
+#   bash scripts/gpu_check.sh --bare     # a bare machine: only torch >= 2.11 (and numpy,
+#                                        # transformers, pyarrow, pytest...) installed
 #
-# Exits 2 with a message, having run nothing, when no CUDA device is visible.
+# --bare: for a machine with no vLLM, no TransformerEngine and no network. It installs the
+# wheels of --wheels DIR (default .whl in the repository) into a private directory with
+# `pip install --no-index --no-deps --target` and puts it and the repository on PYTHONPATH;
+# nothing else is installed. The one wheel such a machine usually lacks is megatron-core, for
+# its Python (here 3.12):
+#
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+#
+# (2.6 MB; add any other package the preflight reports missing the same way). The engine's and
+# TransformerEngine's tests then skip, each with its reason; every local-spec test runs. On an
+# H100 it takes about 5 minutes: one 10-minute call of a lent machine.
+#
+# Before anything needs a GPU, a preflight checks the interpreter, the imports and the
+# collection of the GPU tests. Without a visible CUDA device the script stops after it and
+# says so (exit 2). PYTHON=path chooses the interpreter.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+BARE=0
+WHEELS=.whl
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --bare) BARE=1 ;;
+        --wheels) WHEELS="$2"; shift ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (--bare, --wheels DIR)" >&2; exit 2 ;;
+    esac
+    shift
+done
 if [ -z "${PYTHON:-}" ]; then
-    for candidate in .venv-gpu/bin/python .venv/bin/python python3; do
-        if command -v "$candidate" >/dev/null 2>&1; then PYTHON=$candidate; break; fi
-    done
+    if [ "$BARE" -eq 1 ]; then
+        PYTHON=python3
+    else
+        for candidate in .venv-gpu/bin/python .venv/bin/python python3; do
+            if command -v "$candidate" >/dev/null 2>&1; then PYTHON=$candidate; break; fi
+        done
+    fi
 fi
-if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "gpu_check.sh: no CUDA device is visible to $PYTHON" \
-         "(torch $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'not importable'));" \
-         "this check needs a GPU node. Nothing was run." >&2
+SUMMARY="$(mktemp)"
+row() { echo "| $1 | $2 | $3 |" >> "$SUMMARY"; }
+table() {
+    echo "| check | result | details |"
+    echo "|---|---|---|"
+    cat "$SUMMARY"
+}
+
+# --- preflight: no GPU needed -------------------------------------------------------------
+if [ "$BARE" -eq 1 ]; then
+    if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        SITE="${TMPDIR:-/tmp}/rlep-gpu-check-site"
+        if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --upgrade \
+                --target "$SITE" "$WHEELS"/*.whl; then
+            echo "gpu_check.sh: installing the wheels of $WHEELS failed (see above)" >&2
+            exit 2
+        fi
+        export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        row "wheels" "installed" "$(ls "$WHEELS"/*.whl | xargs -n1 basename | tr '\n' ' ')"
+    else
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        row "wheels" "none in $WHEELS" "using what $PYTHON has"
+    fi
+fi
+if ! "$PYTHON" -W ignore - <<'PY'
+import importlib
+import sys
+
+missing = []
+for name in ("torch", "megatron.core", "transformers", "safetensors", "pyarrow", "yaml",
+             "pytest", "rlep_megatron"):
+    try:
+        importlib.import_module(name)
+    except Exception as err:  # noqa: BLE001 - reported, with its reason
+        missing.append(f"{name} ({type(err).__name__}: {err})")
+import torch
+
+print(f"gpu_check.sh: python {sys.version.split()[0]}, torch {torch.__version__}")
+if missing:
+    print("gpu_check.sh: cannot import " + "; ".join(missing) + ". Bring them as wheels "
+          "(scripts/gpu_check.sh --help).", file=sys.stderr)
+    sys.exit(1)
+PY
+then
     exit 2
 fi
+row "imports" "ok" "torch, megatron.core, transformers, rlep_megatron"
+collected=$("$PYTHON" -m pytest -m gpu --collect-only -q tests/gpu 2>&1 | grep -c "::")
+if [ "$collected" -eq 0 ]; then
+    echo "gpu_check.sh: no GPU test was collected from tests/gpu" >&2
+    exit 2
+fi
+row "GPU tests collected" "ok" "$collected"
+if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    table
+    echo "gpu_check.sh: the preflight passed ($collected GPU tests collected); everything" \
+         "from here on needs a CUDA device, and $PYTHON sees none. Stopped here." >&2
+    exit 2
+fi
+
+# --- on the GPU ---------------------------------------------------------------------------
 "$PYTHON" -c 'import torch; print(f"gpu_check.sh: {torch.cuda.get_device_name()}, torch {torch.__version__}")'
 status=0
-"$PYTHON" -m pytest -m gpu -v tests/gpu || status=1
-"$PYTHON" bench/actor_throughput.py || status=1
-"$PYTHON" bench/actor_throughput.py --micro-batch 1 --seq-len 8192 || status=1
+LOG="$(mktemp)"
+timed() {  # seconds, command...: runs it, appends its output to $LOG, sets $out, $elapsed
+    local limit=$1
+    shift
+    local start=$SECONDS
+    out=$(timeout "$limit" "$@" 2>&1)
+    local code=$?
+    echo "$out" >> "$LOG"
+    echo "$out"
+    elapsed=$((SECONDS - start))
+    return $code
+}
+if timed 300 "$PYTHON" -m pytest -m gpu -q -rs tests/gpu; then verdict=passed; else
+    verdict=FAILED; status=1; fi
+row "GPU tests (${elapsed}s)" "$verdict" "$(echo "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1 | tr -d '=')"
+if timed 120 "$PYTHON" bench/moe_experts.py --tokens 16384 --repeats 10; then
+    speed=$(echo "$out" | grep '^| grouped' | awk -F'|' '{print $4}')
+    parity=$(echo "$out" | grep '^max relative difference' | sed 's/.*: //')
+    row "MoE experts, grouped vs sequential (${elapsed}s)" "ran" "speed-up$speed; $parity"
+else
+    row "MoE experts, grouped vs sequential (${elapsed}s)" "FAILED" "see the log"; status=1
+fi
+for args in "" "--micro-batch 1 --seq-len 8192"; do
+    # shellcheck disable=SC2086
+    if timed 180 "$PYTHON" bench/actor_throughput.py $args; then
+        line=$(echo "$out" | tail -1 | awk -F'|' '{print "MFU" $6 "; before the step, measured / planner" $8 "; step above it" $9}')
+        row "actor bench ${args:-4 x 2048} (${elapsed}s)" "ran" "$line"
+    else
+        row "actor bench ${args:-4 x 2048} (${elapsed}s)" "FAILED" "see the log"; status=1
+    fi
+done
+echo
+echo "gpu_check.sh summary ($("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())'))"
+table
 echo "gpu_check.sh: finished with exit code $status"
 exit "$status"

@@ -1,4 +1,4 @@
-"""The test suite (tiers by pytest marker; see README "Tests")."""
+"""The test suite (tiers by pytest marker; see docs/development.md)."""
 import importlib
 import os
 

@@ -5,8 +5,14 @@
     python tools/prepare_data.py --input hf_export.parquet --output train.parquet \
         --data-source math_dapo --question-key problem_text --answer-key final [--answer-format plain]
 
+    python tools/prepare_data.py --input math.jsonl --output train.parquet \
+        --data-source math_verify --prompt-template boxed
+
 Default columns: {"question", "answer"} (GSM8K, final answer after '####') or
 {"problem", "answer"} (bare answer); name others with --question-key / --answer-key.
+The prompt wraps each problem in a template: dapo (default; the DAPO rule reads the last
+"Answer:" line), boxed (a final answer in \\boxed{}, for math_verify), plain (the problem as
+it is), or your own text with a {question} field. docs/data-and-rewards.md has the details.
 """
 import argparse
 import os
@@ -14,10 +20,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rlep_megatron.data.prepare import ANSWER_FORMATS, convert_jsonl  # noqa: E402
+from rlep_megatron.data.prepare import ANSWER_FORMATS, PROMPT_TEMPLATES, convert_jsonl  # noqa: E402
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True,
                         help=".jsonl (one object per line), .json (a list) or .parquet file")
@@ -34,11 +40,19 @@ def main() -> int:
     parser.add_argument("--answer-format", default="auto", choices=ANSWER_FORMATS,
                         help="with named columns: gsm8k = the text after '####', plain = the "
                              "whole answer, auto = gsm8k when '####' is present")
-    args = parser.parse_args()
+    parser.add_argument("--prompt-template", default="dapo", metavar="NAME|TEXT",
+                        help=f"{', '.join(PROMPT_TEMPLATES)} (default dapo), or a text with a "
+                             "{question} field (write a literal brace as {{ or }})")
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     try:
         count = convert_jsonl(args.input, args.output, args.data_source, args.repeat,
                               question_key=args.question_key, answer_key=args.answer_key,
-                              answer_format=args.answer_format)
+                              answer_format=args.answer_format,
+                              prompt_template=args.prompt_template)
     except (ValueError, FileNotFoundError) as err:
         print(f"prepare_data: error: {err}", file=sys.stderr)
         return 2

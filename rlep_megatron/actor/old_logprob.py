@@ -116,12 +116,12 @@ def old_logprob_pass(side, batch: StepBatch, plan: list[list[int]], load):
 
 def deliver_routing(side, shares: list[list]) -> None:
     """The engine's routing of the sequences this DP rank trains, from the replicas that hold
-    it (:func:`~rlep_megatron.rollout.routing_store.deliver`); tables held longer than the
+    it (:func:`~rlep_megatron.actor.routing_store.deliver`); tables held longer than the
     staleness bound allows leave the hold. Collective over the rollout's gloo group whenever
     any sequence of the step has a held table (the same on every rank)."""
     from rlep_megatron import distributed
     from rlep_megatron.models import num_experts
-    from rlep_megatron.rollout import routing_store
+    from rlep_megatron.actor import routing_store
 
     if any(getattr(seq, "routing_key", None) is not None and seq.routing is None
            for share in shares for seq in share):

@@ -29,6 +29,11 @@ known; elsewhere (replayed pool answers, the last token of a response) the actor
 used and recorded.
 
 The hook is megatron-core's own: each router's ``router_replay`` object is asked for the top-k.
+
+Host traffic: nothing moves between the host and the device per layer. A recording keeps each
+layer's top-k on the device and copies the pass's records to the host once, at its end; the
+engine's experts (for the comparison) and a replay's records travel once per micro-batch, all
+layers together, when the micro-batch is announced.
 """
 from __future__ import annotations
 
@@ -77,8 +82,7 @@ def note_micro_batch(batch: dict, config) -> None:
             valid &= ~torch.isin(rows, skip.to(rows.device))
         _EXPERT_LOAD.valid = valid
     if _REPLAY is not None:
-        _REPLAY.places = (rows.cpu(),
-                          router_order(batch["route_cols"], config, -1, packed).cpu())
+        _REPLAY.announce(rows, router_order(batch["route_cols"], config, -1, packed))
 
 
 class _LayerHook:
@@ -107,6 +111,7 @@ class RoutingReplay:
             self.dtype = (torch.int16 if (model.config.num_moe_experts or 0) < 2 ** 15
                           else torch.int32)
             self.recompute = model.config.recompute_granularity == "full"
+            self.device = next(model.parameters()).device
             for layer in model.decoder.layers:
                 router = getattr(layer.mlp, "router", None)
                 if router is not None:
@@ -119,6 +124,11 @@ class RoutingReplay:
         self._queues: dict[int, collections.deque] = {}
         self.engine: Optional[dict[int, torch.Tensor]] = None
         self.follow_engine = False
+        self._position = {layer: i for i, layer in enumerate(self.layers)}
+        # per announced micro-batch: its places on the device, the layers' recorded top-k
+        self._recorded: list[tuple[tuple[torch.Tensor, torch.Tensor], dict]] = []
+        self._batch_experts: Optional[torch.Tensor] = None  # [layers, tokens, k], device
+        self._match = None  # (compared, differing) device counters of the comparison
 
     @contextlib.contextmanager
     def recording(self, num_rows: int, num_columns: int,
@@ -134,13 +144,37 @@ class RoutingReplay:
         self.store = {layer: torch.full((num_rows, num_columns, self.topk_size), -1,
                                         dtype=self.dtype) for layer in self.layers}
         self.engine, self.follow_engine = engine, follow_engine
+        self._recorded, self._match = [], None
         try:
             with self._active("record"):
                 yield self.store
+                self._flush_records()
             if share:
                 self._share_between_shards()
         finally:
             self.engine, self.follow_engine = None, False
+            self._recorded, self._match = [], None
+
+    def _flush_records(self) -> None:
+        """The pass's top-k, kept on the device, into the host store: one copy for the pass
+        (and the comparison's two counts)."""
+        if self._match is not None and _EXPERT_LOAD is not None:
+            compared, differing = torch.stack(self._match).tolist()
+            _EXPERT_LOAD.note_routing_match(int(compared), int(differing))
+        parts = [(places, recorded) for places, recorded in self._recorded if recorded]
+        if not parts:
+            return
+        rows = torch.cat([places[0] for places, recorded in parts for _ in recorded])
+        cols = torch.cat([places[1] for places, recorded in parts for _ in recorded])
+        layers = torch.cat([torch.full_like(places[0], layer)
+                            for places, recorded in parts for layer in recorded])
+        experts = torch.cat([indices for _, recorded in parts
+                             for indices in recorded.values()])
+        rows, cols, layers, experts = (t.cpu() for t in (rows, cols, layers, experts))
+        valid = rows >= 0
+        for layer in self.layers:
+            mine = valid & (layers == layer)
+            self.store[layer][rows[mine], cols[mine]] = experts[mine].to(self.dtype)
 
     def _share_between_shards(self) -> None:
         """With sequence or context parallelism each rank routed only its shard of every
@@ -166,6 +200,7 @@ class RoutingReplay:
         self._queues = {layer: collections.deque() for layer in self.layers}
         with self._active("replay"):
             yield
+        self._batch_experts = None
 
     @contextlib.contextmanager
     def _active(self, mode: str):
@@ -175,6 +210,45 @@ class RoutingReplay:
             yield
         finally:
             self.mode, _REPLAY, self.places = None, None, None
+            self._batch_experts = None
+
+    def announce(self, rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """A micro-batch's places (the routers' token order: batch row and column, -1 for
+        none), before its forward pass: kept on the device; a replay's records, or a
+        recording's engine experts, of every layer for these places sent to the device at
+        once."""
+        host = (rows.cpu(), cols.cpu())
+        self.places = (rows.to(self.device), cols.to(self.device))
+        if self.mode == "record":
+            self._recorded.append((self.places, {}))
+            if self.engine is not None:
+                self._batch_experts = self._host_experts(self.engine, *host, fill=-1)
+        elif self.mode == "replay":
+            self._batch_experts = self._host_experts(self.store, *host, fill=None)
+
+    def _host_experts(self, table: dict, rows: torch.Tensor, cols: torch.Tensor,
+                      fill: Optional[int]) -> torch.Tensor:
+        """``[layers of this rank, tokens, k]`` on the device: ``table[layer][row, col]`` for
+        every token of the micro-batch; tokens of no row get ``fill`` (-1), or with ``None``
+        the first k experts (their outputs reach no real token) and a recorded -1 on a real
+        token is an error (a replay must know every token's experts)."""
+        host_rows, host_cols = rows, cols
+        valid = host_rows >= 0
+        count = host_rows.numel()
+        if fill is None:
+            out = torch.arange(self.topk_size).expand(len(self.layers), count,
+                                                      self.topk_size).clone()
+        else:
+            out = torch.full((len(self.layers), count, self.topk_size), fill, dtype=torch.long)
+        for i, layer in enumerate(self.layers):
+            if layer not in table:
+                continue
+            known = table[layer][host_rows[valid], host_cols[valid]].long()
+            if fill is None and (known < 0).any():
+                raise RuntimeError(f"routing replay: layer {layer} has no recorded experts "
+                                   f"for {int((known < 0).any(dim=1).sum())} tokens")
+            out[i, valid] = known
+        return out.to(self.device)
 
     def topk(self, layer, scores, topk, num_groups, group_topk, default_compute_topk):
         if self.mode is None:
@@ -183,39 +257,36 @@ class RoutingReplay:
         if self.mode == "record":
             probs, indices = default_compute_topk(scores, topk, num_groups=num_groups,
                                                   group_topk=group_topk)
-            rows, cols = self._places(scores)
-            valid = rows >= 0
-            if self.engine is not None and layer in self.engine:
-                indices = self._against_engine(layer, indices, rows, cols, valid)
+            self._places(scores)
+            if self._batch_experts is not None and layer in self.engine:
+                indices = self._against_engine(layer, indices)
                 if self.follow_engine:
                     probs = scores.gather(1, indices)
-            store = self.store[layer]
-            store[rows[valid], cols[valid]] = indices.cpu()[valid].to(store.dtype)
+            self._recorded[-1][1][layer] = indices.to(torch.int16)
             return probs, indices
         if self.recompute and torch.is_grad_enabled():
             indices = self._queues[layer].popleft()  # activation recompute in backward
         else:
-            indices = self._replayed(layer, scores, topk)
+            indices = self._replayed(layer, scores)
             if self.recompute:
                 self._queues[layer].append(indices)
         return scores.gather(1, indices), indices
 
-    def _against_engine(self, layer, indices, rows, cols, valid):
-        """Count where the actor's top-k set differs from the engine's; with
-        :attr:`follow_engine`, the engine's experts where it has them."""
-        engine = torch.full((rows.numel(), indices.shape[1]), -1, dtype=torch.long)
-        engine[valid] = self.engine[layer][rows[valid], cols[valid]].long()
+    def _against_engine(self, layer, indices):
+        """Count where the actor's top-k set differs from the engine's (device counters, read
+        once at the end of the pass); with :attr:`follow_engine`, the engine's experts where it
+        has them."""
+        engine = self._batch_experts[self._position[layer]]
         known = (engine >= 0).all(dim=1)
         if _EXPERT_LOAD is not None and _EXPERT_LOAD.valid is not None:
-            known &= _EXPERT_LOAD.valid.cpu()  # placeholder rows are not compared
-        own = indices.cpu()
-        differ = (own[known].sort(dim=1).values != engine[known].sort(dim=1).values).any(dim=1)
-        if _EXPERT_LOAD is not None:
-            _EXPERT_LOAD.note_routing_match(int(known.sum()), int(differ.sum()))
+            known &= _EXPERT_LOAD.valid.to(known.device)  # placeholder rows are not compared
+        differ = (indices.sort(dim=1).values != engine.sort(dim=1).values).any(dim=1) & known
+        counts = (known.sum(), differ.sum())
+        self._match = counts if self._match is None else (self._match[0] + counts[0],
+                                                          self._match[1] + counts[1])
         if not self.follow_engine:
             return indices
-        own[known] = engine[known]
-        return own.to(indices.device)
+        return torch.where(known.unsqueeze(1), engine.to(indices.dtype), indices)
 
     def _places(self, scores):
         if self.places is None or self.places[0].numel() != scores.shape[0]:
@@ -224,15 +295,6 @@ class RoutingReplay:
                                f"{None if self.places is None else self.places[0].numel()}")
         return self.places
 
-    def _replayed(self, layer, scores, topk):
-        rows, cols = self._places(scores)
-        valid = rows >= 0
-        # tokens that are no one's (padding, fill) take the first k experts: their outputs
-        # reach no real token
-        indices = torch.arange(topk).expand(rows.numel(), topk).clone()
-        recorded = self.store[layer][rows[valid], cols[valid]].long()
-        if (recorded < 0).any():
-            raise RuntimeError(f"routing replay: layer {layer} has no recorded experts for "
-                               f"{int((recorded < 0).any(dim=1).sum())} tokens")
-        indices[valid] = recorded
-        return indices.to(scores.device)
+    def _replayed(self, layer, scores):
+        self._places(scores)
+        return self._batch_experts[self._position[layer]]

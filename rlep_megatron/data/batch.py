@@ -38,7 +38,7 @@ class Sample:
     routing: Optional[np.ndarray] = None  # a fresh MoE response: the engine's experts
     routing_key: Optional[tuple[int, int]] = None
     """Where ``routing`` waits until the step that trains it: ``(rank, key)``
-    (:mod:`rlep_megatron.rollout.routing_store`)."""
+    (:mod:`rlep_megatron.actor.routing_store`)."""
     versions: list[tuple[int, int]] = field(default_factory=list)
     """Fresh: ``(policy version, number of tokens)`` spans over the response, in order (one
     span unless the response was carried over a weight update)."""

@@ -10,8 +10,10 @@ problem and its answer:
 * any other names through ``question_key`` / ``answer_key``, with ``answer_format`` ``gsm8k``
   (the text after ``####``) or ``plain`` (the whole answer) or ``auto`` (``####`` when present).
 
-The prompt is one user turn with the DAPO instruction text, so the DAPO rule reward applies;
-``reward_model.ground_truth`` is the bare final answer.
+The prompt is one user turn: by default the DAPO instruction text around the problem, so the
+DAPO rule reward (the last ``Answer:`` line) applies; ``prompt_template`` picks another
+(:data:`PROMPT_TEMPLATES`, or any text with a ``{question}`` field). ``reward_model.ground_truth``
+is the bare final answer.
 """
 from __future__ import annotations
 
@@ -29,6 +31,31 @@ DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 def dapo_prompt(problem: str) -> str:
     return f"{DAPO_PREFIX}{problem}{DAPO_SUFFIX}"
+
+
+PROMPT_TEMPLATES = {
+    # the DAPO rule reads the last "Answer:" line: the data sources math_dapo, aime*, amc*...
+    "dapo": DAPO_PREFIX + "{question}" + DAPO_SUFFIX,
+    # a final answer in \\boxed{}, as Qwen2.5-Math's own prompt asks: for math_verify data
+    "boxed": "{question}\nPlease reason step by step, and put your final answer within "
+             "\\boxed{{}}.",
+    # the question as it is (the data carries its own instruction)
+    "plain": "{question}",
+}
+
+
+def render_template(template: str, question: str) -> str:
+    """``template`` (a name of :data:`PROMPT_TEMPLATES` or a text with one ``{question}``
+    field; other braces doubled) filled with ``question``."""
+    text = PROMPT_TEMPLATES.get(template, template)
+    if "{question}" not in text:
+        raise ValueError(f"prompt template {template!r}: one of {', '.join(PROMPT_TEMPLATES)}, "
+                         "or a text with a {question} field")
+    try:
+        return text.format(question=question)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"prompt template {template!r}: {err!r}; write a literal brace as "
+                         "{{ or }}") from None
 
 
 def gsm8k_final_answer(answer: str) -> str:
@@ -95,10 +122,12 @@ def _keys(record: dict, question_key: str, answer_key: str) -> tuple[str, str, s
 
 def convert_jsonl(input_path: str, output_path: str, data_source: str, repeat: int = 1,
                   question_key: str = "", answer_key: str = "",
-                  answer_format: str = "auto") -> int:
+                  answer_format: str = "auto", prompt_template: str = "dapo") -> int:
     """Convert; returns the number of rows written (unique problems x ``repeat``).
     ``question_key`` / ``answer_key`` name the input's columns (default: question+answer in
-    the GSM8K convention, or problem+answer); ``answer_format`` applies to named columns."""
+    the GSM8K convention, or problem+answer); ``answer_format`` applies to named columns;
+    ``prompt_template`` wraps each problem (:func:`render_template`)."""
+    render_template(prompt_template, "")  # a bad template fails before any input is read
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"input file not found: {input_path}")
     if repeat < 1:
@@ -131,7 +160,8 @@ def convert_jsonl(input_path: str, output_path: str, data_source: str, repeat: i
             raise ValueError(f"{where}: empty question or answer")
         for _ in range(repeat):
             rows.data_source.append(data_source)
-            rows.messages.append([{"role": "user", "content": dapo_prompt(str(problem))}])
+            rows.messages.append([{"role": "user",
+                                   "content": render_template(prompt_template, str(problem))}])
             rows.ground_truth.append(truth)
             rows.candidates.append(None)
             rows.index.append(str(number))

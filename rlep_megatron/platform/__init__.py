@@ -24,8 +24,8 @@ from rlep_megatron.platform.megatron_shim import (
 from rlep_megatron.platform.cpu_torch import CpuRNGStatesTracker
 from rlep_megatron.platform.heap import freeze_startup_heap, pause_gc_for_startup
 from rlep_megatron.platform.vllm_cpu import (
-    name_vllm_cpu_shm_per_job, refresh_vllm_cpu_embedding_kernels, refresh_vllm_cpu_moe_kernels,
-    remove_stale_vllm_cpu_shm, remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly,
+    cpu_moe_layers_reprocessed, name_vllm_cpu_shm_per_job, process_cpu_moe_experts_on_reload,
+    refresh_vllm_cpu_embedding_kernels, remove_stale_vllm_cpu_shm, remove_truncated_inductor_binaries, run_vllm_cpu_helpers_eagerly,
     vllm_cpu_engine_settings, vllm_cpu_shm_job_token)
 
 
@@ -52,7 +52,7 @@ __all__ = [
     "megatron_config_overrides", "megatron_moe_without_te", "name_vllm_cpu_shm_per_job",
     "nvidia_gpus", "pause_gc_for_startup",
     "quiet_megatron_accelerator_warnings", "refresh_vllm_cpu_embedding_kernels",
-    "refresh_vllm_cpu_moe_kernels", "remove_stale_vllm_cpu_shm",
+    "process_cpu_moe_experts_on_reload", "cpu_moe_layers_reprocessed", "remove_stale_vllm_cpu_shm",
     "remove_truncated_inductor_binaries", "report_layer_spec", "run_vllm_cpu_helpers_eagerly",
     "select_platform", "transformer_engine_status", "use_transformer_engine",
     "vllm_cpu_engine_settings", "vllm_cpu_shm_job_token", "probe"]

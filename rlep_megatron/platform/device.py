@@ -172,4 +172,55 @@ def quiet_megatron_accelerator_warnings() -> None:
             logging.WARNING)
 
 
+# Known library noise, each said once here at its source (docs/troubleshooting.md explains
+# them); RLEP_SHOW_ALL_WARNINGS=1 keeps everything.
+_HARMLESS_WARNINGS = (
+    # megatron's optimizer probes `param.main_grad` / `.grad` with hasattr on every parameter,
+    # non-leaf views included: torch warns on each probe, the gradients are where they belong
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being "
+                  r"accessed"),
+    # megatron-core's TransformerConfig default (cuda_graph_scope "full"), not a setting of ours
+    (UserWarning, r"full scope is deprecated"),
+    # vLLM's Triton dispatcher walks torch.distributed's attributes, the deprecated alias too
+    (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated"),
+)
+# megatron's INFO dumps of its whole DDP and optimizer configs (about 2 KB each, every run)
+_CONFIG_DUMP_LOGGERS = ("megatron.core.distributed.distributed_data_parallel",
+                        "megatron.core.optimizer")
+
+
+def quiet_library_noise() -> None:
+    """Filter the library warnings and dumps a run prints that say nothing about the run:
+    :data:`_HARMLESS_WARNINGS`, megatron's config dumps, and vLLM's INFO lines (its engine
+    config dump of about 3.4 KB, its per-sync reload notices; vLLM's own
+    ``VLLM_LOGGING_LEVEL`` set to WARNING unless the user set it). vLLM reads that variable
+    when it is first imported, so this runs when the package's platform is imported, before
+    any engine. ``RLEP_SHOW_ALL_WARNINGS=1`` turns all of it off."""
+    import warnings
+
+    if os.environ.get("RLEP_SHOW_ALL_WARNINGS") == "1":
+        return
+    for category, pattern in _HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    for name in _CONFIG_DUMP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # without a GPU driver vLLM's import says three times that Triton has no CPU backend (no
+    # CUDA probe here: this runs at import, before any process forks)
+    importing = logging.getLogger("vllm.triton_utils.importing")
+    if not any(isinstance(f, _TritonOnCpuNotices) for f in importing.filters):
+        importing.addFilter(_TritonOnCpuNotices())
+
+
+class _TritonOnCpuNotices(logging.Filter):
+    """vLLM's import-time notices that Triton has no CPU backend or no active driver (a
+    machine without a GPU), and its INFO line that follows them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not (record.levelno <= logging.INFO
+                    or "CPU backend" in text or "0 active driver" in text)
+
+
 quiet_megatron_accelerator_warnings()
+quiet_library_noise()

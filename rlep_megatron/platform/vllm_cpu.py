@@ -32,25 +32,47 @@ def refresh_vllm_cpu_embedding_kernels(model: torch.nn.Module, tied: bool) -> in
     return refreshed
 
 
-def refresh_vllm_cpu_moe_kernels(model: torch.nn.Module) -> int:
-    """After an in-place weight reload on vLLM's CPU backend, prepack every MoE layer's expert
-    weights again. The CPU experts keep ``w13_weight`` / ``w2_weight`` in their grouped-GEMM
-    layout, made by their ``process_weights_after_loading`` when the model loads; on a weight
-    update vLLM 0.32's unquantized MoE method copies the new (checkpoint-layout) weights into
-    the parameters but skips that prepacking, so the kernel would read unpacked matrices as
-    packed ones (log-probs off by about 1e-2 on the tiny MoE). Running the experts' own
-    processing again packs the freshly loaded weights. No-op with CUDA or without MoE layers.
-    Returns the number of layers refreshed."""
+_MOE_REPROCESSED = [0]  # CPU MoE layers whose experts a weight update re-processed
+
+
+def process_cpu_moe_experts_on_reload() -> None:
+    """Make vLLM's in-place weight reload give the CPU MoE experts their kernel layout.
+
+    The CPU experts (``fused_moe/experts/cpu_moe.py``) process their weights when the model
+    loads: the expert intermediate size is zero-padded to the kernel's alignment (32: a
+    ``moe_intermediate_size`` of 48 becomes 64, so ``w13`` goes from ``[E, 96, h]`` to
+    ``[E, 128, h]``) and the matrices are prepacked into the grouped-GEMM layout. On a weight
+    update vLLM 0.32's unquantized MoE method (``_setup_kernel``) skips that step, so the
+    layer-wise reload then copies unpadded, unpacked matrices into the padded kernel storage:
+    a shape error when the size needs padding (``The size of tensor a (128) must match the
+    size of tensor b (96)``), and matrices read in the wrong layout when it does not (log-probs
+    off by about 1e-2 on the tiny MoE). Wrapped here so that a weight update processes the
+    experts as the first load does, before the reload copies them into the kernel's storage.
+    Idempotent; no-op with CUDA."""
     if probe.cuda_available():
-        return 0
-    refreshed = 0
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is not None and type(experts).__module__.endswith(".cpu_moe"):
-            experts.process_weights_after_loading(module)
-            refreshed += 1
-    return refreshed
+        return
+    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as module
+
+    method = module.UnquantizedFusedMoEMethod
+    if getattr(method._setup_kernel, "_rlep_cpu_experts", False):
+        return
+    original = method._setup_kernel
+
+    def setup_kernel(self, layer, w13, w2):
+        update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if update and experts is not None and type(experts).__module__.endswith(".cpu_moe"):
+            experts.process_weights_after_loading(layer)
+            _MOE_REPROCESSED[0] += 1
+
+    setup_kernel._rlep_cpu_experts = True
+    method._setup_kernel = setup_kernel
+
+
+def cpu_moe_layers_reprocessed() -> int:
+    """How many CPU MoE layers weight updates have re-processed so far in this process."""
+    return _MOE_REPROCESSED[0]
 
 
 def vllm_cpu_engine_settings(max_model_len: int) -> dict:

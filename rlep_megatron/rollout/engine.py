@@ -58,7 +58,7 @@ class Response:
     sampled each token (set by the scheduler that drove the engine)."""
     routing_key: Optional[tuple[int, int]] = None
     """Where ``routing`` went when several replicas gathered their responses: ``(rank, key)``
-    of the rank that holds it (:mod:`rlep_megatron.rollout.routing_store`)."""
+    of the rank that holds it (:mod:`rlep_megatron.actor.routing_store`)."""
 
     @property
     def length(self) -> int:
@@ -196,6 +196,9 @@ class RolloutEngine:
     slower; :func:`~rlep_megatron.rollout.routing_capture.eager_v1_engine_settings`)."""
 
     capturing_routing = False
+    routing_source: Optional[str] = None
+    """``output`` (vLLM's own routed experts) or ``capture`` (the V1 hook), when routing is
+    asked for (:func:`~rlep_megatron.rollout.routing_capture.engine_routing_settings`)."""
     routing_unavailable: Optional[str] = None
     """Why the engine's routing is not captured although asked for, or ``None``."""
 
@@ -245,16 +248,23 @@ class RolloutEngine:
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
         variables: dict[str, str] = {}
+        self.routing_source = None
         if capture_routing and eager_for_routing:
-            from rlep_megatron.rollout.routing_capture import eager_v1_engine_settings
+            from rlep_megatron.rollout.routing_capture import engine_routing_settings
 
-            eager, variables = eager_v1_engine_settings(platform.cuda_available(), os.environ)
-            settings.update(eager)
-            if eager:
+            extra, variables, self.routing_source = engine_routing_settings(
+                cfg.engine_routing, platform.cuda_available(), os.environ)
+            settings.update(extra)
+            if extra.get("enforce_eager"):
                 logger.info("rollout engine: vLLM's V1 model runner without CUDA graphs, so "
                             "that the experts it routes each token to can be replayed "
-                            "(algo.routing_replay=rollout); generation is slower than with "
-                            "graphs")
+                            "(algo.routing_replay=rollout, rollout.engine_routing=capture); "
+                            "generation is slower than with graphs")
+            elif self.routing_source == "output":
+                logger.info("rollout engine: vLLM returns the experts it routes each token to "
+                            "(rollout.engine_routing=output; its V2 runner, CUDA graphs kept)")
+        elif capture_routing:
+            self.routing_source = "capture"
         with _environment(variables):  # read while the engine's worker is built
             self.llm = LLM(
                 model=model_dir, dtype=dtype, seed=seed,
@@ -268,7 +278,9 @@ class RolloutEngine:
                 worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
             )
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
-        if capture_routing:
+        if self.routing_source == "output":
+            self.capturing_routing = True
+        elif capture_routing:
             self._start_routing_capture(hf_config)
         # again for the vLLM modules the engine imported
         _quiet_expected_reload_warnings(tied)
@@ -339,15 +351,17 @@ class RolloutEngine:
                                        request_seed(seed, i, n)) for i in mine]
         local: list[list[Response]] = []
         if requests:  # an empty share skips the engine: no other replica waits on it
-            if self.capturing_routing:
+            hooked = self.capturing_routing and self.routing_source == "capture"
+            if hooked:
                 self.llm.collective_rpc("rlep_routing_arm")
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-            routes = (self.llm.collective_rpc("rlep_routing_take")[0] if self.capturing_routing
-                      else {})
+            routes = self.llm.collective_rpc("rlep_routing_take")[0] if hooked else {}
             tokenizer = self.llm.get_tokenizer()
             for index, output, request in zip(mine, outputs, params):
                 local.append([_response(index, completion, tokenizer,
-                                        routes.get(request.seed + completion.index),
+                                        completion.routed_experts
+                                        if self.routing_source == "output"
+                                        else routes.get(request.seed + completion.index),
                                         prompts[index])
                               for completion in output.outputs])
         return self._all_gather(local, len(prompts))
@@ -356,11 +370,12 @@ class RolloutEngine:
                     ) -> list[list[Response]]:
         """Every replica's responses on every rank (one copy per replica is taken), over the
         rollout's gloo group. Routing tables stay with the replica that made them
-        (:func:`~rlep_megatron.rollout.routing_store.hold_for_gather`)."""
-        if self.dp_size == 1:
+        (:func:`~rlep_megatron.actor.routing_store.hold_for_gather`). One engine needs no
+        gather, unless its routing came from vLLM's output, which only its first TP rank has."""
+        if self.dp_size == 1 and not (self.routing_source == "output" and self.tp_size > 1):
             return local
         from rlep_megatron import distributed
-        from rlep_megatron.rollout.routing_store import hold_for_gather
+        from rlep_megatron.actor.routing_store import hold_for_gather
 
         sender = self.rank % self.tp_size == 0
         if sender:
@@ -497,9 +512,10 @@ def _response(index: int, completion, tokenizer, routing=None,
                             token_ids[:-1] if finish_reason == "stop" else token_ids)
     if routing is not None:
         # one row per position of prompt + response: an engine that schedules one more
-        # forward after a stop (async scheduling) captured a row past the end
+        # forward after a stop (async scheduling) captured a row past the end. vLLM's own
+        # output is unsigned: signed, so that -1 can mark the rows nothing was routed for
         length = len(prompt) + len(token_ids)
-        routing = routing[:length]
+        routing = np.asarray(routing)[:length].astype(np.int16, copy=False)
         if len(routing) < length:
             routing = np.concatenate([routing, np.full((length - len(routing),
                                                         *routing.shape[1:]), -1, routing.dtype)])

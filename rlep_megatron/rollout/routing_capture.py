@@ -23,8 +23,16 @@ response), the same place the actor's forward routes it.
 
 Needs an engine whose forward runs in Python every step (no CUDA graphs) on the V1 runner: the
 CPU backend always is one; a GPU engine is built as one when ``algo.routing_replay=rollout``
-asks for the engine's routing (:func:`eager_v1_engine_settings`), and otherwise runs as vLLM
-chooses, without capture. :func:`capture_supported` says whether a runner can be read.
+asks for the engine's routing with ``rollout.engine_routing=capture``
+(:func:`eager_v1_engine_settings`), and otherwise runs as vLLM chooses, without capture.
+:func:`capture_supported` says whether a runner can be read.
+
+Where vLLM itself returns the routing (``rollout.engine_routing=output``, the default on a GPU:
+:func:`engine_routing_settings`), the engine keeps its V2 runner and CUDA graphs and each
+finished completion carries ``routed_experts`` (``[positions, layers, top-k]``, uint8 up to 256
+experts, rows of the dense layers 0), on the first tensor-parallel rank of each engine only;
+the responses then go through the gather (:mod:`rlep_megatron.actor.routing_store`) even with
+one engine, so that the ranks that train them receive them.
 """
 from __future__ import annotations
 
@@ -59,6 +67,36 @@ def eager_v1_engine_settings(cuda: bool, environ: Mapping[str, str]
     if not cuda:
         return {}, {}
     return {"enforce_eager": True}, {V2_RUNNER_VARIABLE: "0"}
+
+
+ENGINE_ROUTING = ("auto", "output", "capture")
+
+
+def engine_routing_settings(mode: str, cuda: bool, environ: Mapping[str, str]
+                            ) -> tuple[dict, dict[str, str], str]:
+    """How the engine's routing is obtained (``rollout.engine_routing``): ``(LLM keyword
+    arguments, environment variables while the engine is built, source)`` with source
+    ``output`` (vLLM's own ``routed_experts``: the V2 runner, CUDA graphs kept; GPU only, the
+    default there) or ``capture`` (this module's hook on the V1 runner: eager on a GPU, slower
+    decoding; the CPU path). Raises ValueError for a mode the device or the environment rules
+    out."""
+    if mode not in ENGINE_ROUTING:
+        raise ValueError(f"rollout.engine_routing must be one of {', '.join(ENGINE_ROUTING)}, "
+                         f"got {mode!r}")
+    if mode == "auto":
+        mode = "output" if cuda else "capture"
+    if mode == "capture":
+        kwargs, variables = eager_v1_engine_settings(cuda, environ)
+        return kwargs, variables, "capture"
+    if not cuda:
+        raise ValueError("rollout.engine_routing=output needs vLLM's V2 model runner, which "
+                         "the CPU build lacks; use auto or capture on CPU")
+    asked = environ.get(V2_RUNNER_VARIABLE, "").strip()
+    if asked and asked.lstrip("+-").isdigit() and int(asked) == 0:
+        raise ValueError(f"rollout.engine_routing=output reads the routed experts vLLM's V2 "
+                         f"model runner returns, but {V2_RUNNER_VARIABLE}=0 asks for V1: unset "
+                         "it, or set rollout.engine_routing=capture")
+    return {"enable_return_routed_experts": True}, {}, "output"
 
 
 def capture_supported(runner) -> Optional[str]:

@@ -27,7 +27,7 @@ from rlep_megatron.data.batch import FRESH, REPLAY, Sample, StepBatch
 
 logger = logging.getLogger(__name__)
 
-# the replay keys a run with M = 0 still writes (every run's keys, README.md "Metrics")
+# the replay keys a run with M = 0 still writes (every run's keys, docs/metrics.md)
 REPLAY_KEYS_WITHOUT_REPLAY = ("replay/fraction", "replay/num_sequences", "replay/reward_mean")
 
 

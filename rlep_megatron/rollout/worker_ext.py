@@ -12,10 +12,13 @@ class RolloutWorkerExtension:
     def rlep_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load checkpoint-format ``(hf_name, full tensor)`` pairs in place through vLLM's
         layer-wise ``reload_weights`` (each layer is re-processed for its kernels once all of
-        its tensors arrived), then repack a tied CPU LM-head's kernel and the CPU MoE layers'
-        expert weights. Returns layers refreshed."""
+        its tensors arrived; the CPU MoE experts padded and packed as at load,
+        :func:`~rlep_megatron.platform.process_cpu_moe_experts_on_reload`), then repack a tied
+        CPU LM-head's kernel. Returns the layers refreshed or re-processed."""
         from rlep_megatron import platform
 
+        platform.process_cpu_moe_experts_on_reload()
+        before = platform.cpu_moe_layers_reprocessed()
         self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings",
                             False))
@@ -24,7 +27,7 @@ class RolloutWorkerExtension:
         if capture is not None:
             capture.reset_prefixes()  # the caller resets the prefix cache too
         return (platform.refresh_vllm_cpu_embedding_kernels(model, tied)
-                + platform.refresh_vllm_cpu_moe_kernels(model))
+                + platform.cpu_moe_layers_reprocessed() - before)
 
     def rlep_capture_routing(self, num_layers: int, topk: int) -> Optional[str]:
         """Start capturing each request's routed experts

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import os
+import re
 
 import pytest
 
@@ -86,7 +87,7 @@ def rlep(*args: str) -> tuple[int, str, str]:
 
 
 def rlep_plan(hf_config: str, gpus: int, *overrides: str, extra=()) -> dict:
-    code, out, err = rlep("plan", "--json", "--gpus", str(gpus), "--hf-config", hf_config,
+    code, out, err = rlep("plan", "--json", "--gpus-per-node", str(gpus), "--hf-config", hf_config,
                           *extra, "model.params_dtype=float32", *overrides)
     assert code == 0, err[-3000:]
     return json.loads(out)
@@ -178,6 +179,15 @@ def test_plan_of_the_recipes(recipe, shape, gpus, total, non_embedding):
     assert result["active_params"] == pytest.approx(non_embedding, rel=0.02)
     assert result["fits"], result["advice"]
     assert 0 < result["peak_train_gib"] < 80 and 0 < result["peak_rollout_gib"] < 80
+    # every peak under 90% of an H100's usable 79.6 GiB, 3 GiB of overhead per GPU included
+    assert result["gpu_mem_gib"] == 79.6 and result["assumptions"]["overhead_gib"] >= 3
+    assert max(result["peak_train_gib"], result["peak_rollout_gib"]) < 0.9 * 79.6
+    assert result["peak_fraction"] < 0.9 and not result["advice"]
+    # and the recipe's own comment says what the planner says
+    with open(os.path.join(REPO_ROOT, "examples", f"{recipe}.yaml")) as f:
+        said = re.search(r"training peak ([\d.]+) GiB, rollout peak ([\d.]+) GiB", f.read())
+    assert (float(said[1]), float(said[2])) == (round(result["peak_train_gib"], 1),
+                                                round(result["peak_rollout_gib"], 1))
     assert result["params_per_gpu"] == max(s["params"] for s in result["stages"])
     if recipe == "rlep_16k":
         tight = rlep_plan(config, gpus, "model.params_dtype=bfloat16",
@@ -234,8 +244,11 @@ def test_step_flops_match_a_count_of_the_transformers_forward(arch, request):
 def test_plan_refuses_bad_input(tiny_qwen2_dir):
     config = os.path.join(tiny_qwen2_dir, "config.json")
     for args, message in (
-            (["--gpus", "3", "parallel.tensor_model_parallel_size=2"], "not divisible"),
-            (["--gpus", "2", "--gpu", "v100"], "--gpu must be one of"),
-            (["--gpus", "2", "--gpu-mem-gib", "0"], "--gpu-mem-gib must be > 0")):
+            (["--gpus-per-node", "3", "parallel.tensor_model_parallel_size=2"], "not divisible"),
+            (["--nodes", "3", "parallel.tensor_model_parallel_size=2"], "world size 3"),
+            (["--gpus-per-node", "2", "--gpu", "v100"], "--gpu must be one of"),
+            (["--gpus-per-node", "2", "--gpu-mem-gib", "0"], "--gpu-mem-gib must be > 0"),
+            # the old spelling meant all GPUs here and GPUs per node in `rlep init`: refused
+            (["--gpus", "8"], "--gpus-per-node")):
         code, _, err = rlep("plan", "--hf-config", config, *args)
         assert code != 0 and message in err, err[-2000:]

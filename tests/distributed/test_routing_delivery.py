@@ -30,7 +30,7 @@ def exchange(out: str, tp: int) -> None:
 
     from rlep_megatron import distributed
     from rlep_megatron.data.batch import Sample
-    from rlep_megatron.rollout import routing_store
+    from rlep_megatron.actor import routing_store
     from rlep_megatron.rollout.engine import Response, RolloutEngine
 
     distributed.init_process_group()

@@ -1,9 +1,15 @@
-"""README.md's "Your own model and data", followed on CPU: a Qwen3 made with ``transformers``
-(not this project's tiny-model tool), a JSONL dataset with its own column names ->
-``tools/prepare_data.py`` -> ``rlep init`` -> ``rlep config`` -> 2 training steps -> ``rlep eval``
-of the run's newest checkpoint."""
+"""docs/quickstart.md's "Your own model and data on one GPU", on CPU.
+
+* The block after ``<!-- own-data -->`` run as written, scaled down: each command line in a
+  fresh directory that holds ``examples/`` (a link to the repository's), with the example reward
+  file ``examples/reward_last_number.py``, a tiny model warm-started on a small task where the
+  block expects ``models/Qwen2.5-Math-1.5B``, and CPU overrides appended to the jobs.
+* The same path with a Qwen3 made with ``transformers`` (not this project's tiny-model tool), a
+  JSONL dataset with its own column names -> ``tools/prepare_data.py`` -> ``rlep init`` ->
+  ``rlep config`` -> 2 training steps -> ``rlep eval`` of the run's newest checkpoint."""
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -12,7 +18,7 @@ import pytest
 
 from rlep_megatron.data.schema import read_prompt_file
 from tests.e2e.helpers import read_jsonl, run_rlep
-from tests.torchrun import REPO_ROOT
+from tests.torchrun import REPO_ROOT, _env
 
 pytestmark = pytest.mark.e2e
 
@@ -79,3 +85,74 @@ def test_own_model_and_jsonl_data_through_prepare_init_train_eval(tiny_qwen2_dir
     assert report["checkpoint"] == os.path.join("run", "checkpoints", "step_00000002")
     assert report["report"]["math_dapo"]["num_questions"] == 2
     assert "math_dapo" in result.stdout
+
+
+# the one-GPU recipe, scaled down for 2 CPU cores (a user on a GPU runs it as written)
+CPU_JOB = ["trainer.device=cpu", "model.params_dtype=float32", "data.train_batch_size=2",
+           "rollout.num_samples_per_prompt=4", "rollout.max_response_tokens=32",
+           "reward.overlong_buffer_tokens=4", "reward.num_workers=1",
+           "trainer.mini_batch_size=2", "trainer.micro_batch_max_tokens=2048",
+           "trainer.total_steps=2", "trainer.validation_interval_steps=2",
+           "eval.num_samples_per_prompt=2", "checkpoint.save_interval_steps=2",
+           "optim.lr_warmup_steps=0", "collect.num_samples_per_prompt=8", "collect.num_shards=1",
+           "collect.min_correct=1", "data.max_prompt_tokens=64"]
+
+
+def doc_commands(name: str) -> list[list[str]]:
+    """The command lines of the bash block after ``<!-- name -->`` in docs/quickstart.md,
+    continuation lines joined, comments dropped."""
+    text = open(os.path.join(REPO_ROOT, "docs", "quickstart.md")).read()
+    block = text.split(f"<!-- {name} -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line, comments=True) for line in block.replace("\\\n", " ").splitlines()
+            if shlex.split(line, comments=True)]
+
+
+def test_docs_own_data_quickstart_runs_as_written(tmp_path):
+    from rlep_megatron.tiny_model import make_tiny_model
+    from rlep_megatron.tiny_task import make_tiny_task, warm_start
+
+    commands = doc_commands("own-data")
+    assert [c[:2] for c in commands] == [["python", "tools/prepare_data.py"]] * 2 + [
+        ["rlep", sub] for sub in ("init", "config", "plan", "train", "collect", "init", "train",
+                                  "eval")]
+    assert any("examples/reward_last_number.py:score" in c for c in commands[2])
+    os.symlink(os.path.join(REPO_ROOT, "examples"), tmp_path / "examples")
+    # the block's model and JSONL files: a tiny model that memorises a small task in seconds,
+    # and the task's questions and answers under the column names the block gives
+    task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=6, num_val=2, max_operand=2)
+    model = make_tiny_model(str(tmp_path / "models" / "Qwen2.5-Math-1.5B"), seed=0)
+    warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6, show_progress=False)
+    (tmp_path / "data").mkdir()
+    for split in ("train", "val"):
+        rows = read_prompt_file(task[split])
+        with open(tmp_path / f"my_{split}.jsonl", "w") as f:
+            for messages, truth in zip(rows.messages, rows.ground_truth):
+                f.write(json.dumps({"problem": messages[-1]["content"], "answer": truth}) + "\n")
+
+    outputs = {}
+    for command in commands:
+        if command[0] == "python":
+            args = [sys.executable, os.path.join(REPO_ROOT, command[1]), *command[2:]]
+        else:
+            args = [sys.executable, "-m", "rlep_megatron.cli", *command[1:]]
+            if command[1] in ("train", "collect", "eval", "config", "plan"):
+                args += CPU_JOB
+        proc = subprocess.run(args, cwd=tmp_path, env=_env(None), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, (command, (proc.stdout + proc.stderr)[-5000:])
+        outputs.setdefault(command[1], []).append(proc.stdout + proc.stderr)
+
+    assert read_prompt_file(str(tmp_path / "data" / "val.parquet")).data_source == [
+        "my_numbers"] * 2
+    assert "1 GPUs" in outputs["plan"][0]
+    for run in ("my_run", "my_rlep"):
+        records = read_jsonl(tmp_path / "outputs" / run / "metrics.jsonl")
+        assert [r["step"] for r in records] == [0, 1, 2]
+        # the example reward scored the warm-started model's answers: some right
+        assert max(r["rollout/acc_mean"] for r in records[1:]) > 0
+    stats = json.load(open(tmp_path / "outputs" / "my_run" / "pool.stats.json"))
+    assert stats["questions"] >= 1
+    rlep = read_jsonl(tmp_path / "outputs" / "my_rlep" / "metrics.jsonl")
+    assert rlep[1]["replay/num_sequences"] > 0
+    report = json.load(open(tmp_path / "outputs" / "my_rlep" / "eval.json"))
+    assert report["report"]["my_numbers"]["num_questions"] == 2

@@ -245,3 +245,47 @@ def straight_equals_resumed(hf_dir, task, common, tmp_path, steps=3):
         assert keys == {k for k in y if not k.startswith("timing/")}
         assert {k: x[k] for k in keys} == {k: y[k] for k in keys}, x["step"]
     return a
+
+
+def transformers_qwen3_moe(tiny_dir: str, out: str) -> str:
+    """A Qwen3-MoE made by transformers' own config class and ``save_pretrained``, in sizes
+    vLLM's CPU experts must pad: hidden 96, head_dim 32, 4 heads / 2 KV heads, 8 experts
+    top-2 of intermediate 48 (the CPU kernel pads it to 64), layer 0 dense, untied; the tiny
+    model's tokenizer."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    with open(os.path.join(tiny_dir, "config.json")) as f:
+        tiny = json.load(f)
+    config = Qwen3MoeConfig(
+        vocab_size=tiny["vocab_size"], hidden_size=96, head_dim=32, num_attention_heads=4,
+        num_key_value_heads=2, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=48, intermediate_size=192, mlp_only_layers=[0],
+        decoder_sparse_step=1, tie_word_embeddings=False, max_position_embeddings=512,
+        bos_token_id=tiny.get("bos_token_id"), eos_token_id=tiny.get("eos_token_id"),
+        pad_token_id=tiny.get("pad_token_id"))
+    torch.manual_seed(0)
+    shutil.copytree(tiny_dir, out, ignore=shutil.ignore_patterns("*.safetensors",
+                                                                 "config.json"))
+    Qwen3MoeForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_a_transformers_made_moe_whose_experts_vllm_pads_trains_at_ep2(tiny_qwen3_moe_dir,
+                                                                       task, tmp_path):
+    """The MoE of a user's own transformers checkpoint, with an expert intermediate size that
+    vLLM's CPU kernel pads (48 -> 64): 2 steps at EP2 on 2 ranks, the weight sync into the
+    engine in between; after it the engine's log-probs equal the actor's."""
+    model = transformers_qwen3_moe(tiny_qwen3_moe_dir, str(tmp_path / "model"))
+    out = tmp_path / "run"
+    run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+              *train_overrides(model, task, str(out), steps=2), "replay.pool_files=[]",
+              "replay.num_replays_per_prompt=0", "trainer.validation_interval_steps=0",
+              "checkpoint.save_interval_steps=0", "parallel.expert_model_parallel_size=2"],
+             nproc=2)
+    steps = read_jsonl(out / "metrics.jsonl")
+    assert [e["step"] for e in steps] == [1, 2]  # (no validation step 0)
+    # step 2 generated with the weights synced after step 1
+    assert steps[1]["rollout/logprob_abs_diff"] <= 1e-4
+    assert steps[1]["train/grad_norm"] > 0

@@ -1,4 +1,4 @@
-"""README.md's "The tiny default step by step", run as written: each command line of the block
+"""docs/quickstart.md's "The tiny default step by step", run as written: each command line of the block
 after ``<!-- walkthrough -->``, in a fresh directory that holds ``examples/`` (a link to the
 repository's) and a small task and model where ``rlep demo --prepare-only`` puts them, with
 overrides appended that scale the runs down (2 steps, few samples). The recipes' paths, the
@@ -29,15 +29,15 @@ SMALL = ["trainer.total_steps=2", "trainer.validation_interval_steps=2",
 
 
 def walkthrough_commands() -> list[list[str]]:
-    text = open(os.path.join(REPO_ROOT, "README.md")).read()
+    text = open(os.path.join(REPO_ROOT, "docs", "quickstart.md")).read()
     block = text.split("<!-- walkthrough -->", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
 
-def test_readme_walkthrough_runs_as_written(tmp_path):
+def test_docs_walkthrough_runs_as_written(tmp_path):
     commands = walkthrough_commands()
-    assert [c[:2] for c in commands] == [[".venv/bin/rlep", "demo"]] + [
-        [".venv/bin/rlep", sub] for sub in ("train", "collect", "train", "eval")]
+    assert [c[:2] for c in commands] == [["rlep", "demo"]] + [
+        ["rlep", sub] for sub in ("train", "collect", "train", "eval")]
     os.symlink(os.path.join(REPO_ROOT, "examples"), tmp_path / "examples")
     # where `rlep demo --prepare-only` looks: a task the tiny model memorises in seconds (the
     # demo's own takes 2500 warm-start steps), recorded with the demo's settings

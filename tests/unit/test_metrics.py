@@ -60,8 +60,50 @@ def test_disabled_writer_writes_nothing(tmp_path):
 def test_progress_is_silent_off_rank0(capsys):
     assert list(progress(range(3), enabled=False)) == [0, 1, 2]
     assert capsys.readouterr().err == ""
+
+
+def test_progress_draws_a_bar_on_a_terminal_and_log_lines_elsewhere(capsys, caplog,
+                                                                     monkeypatch):
+    import logging
+    import sys
+
+    # a log file (stderr not a terminal): no bar, no carriage return; the bar's text as log
+    # lines (the first draw and the final one; tqdm's 30 s interval spaces the others)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    with caplog.at_level(logging.INFO, logger="rlep_megatron.metrics"):
+        assert list(progress(range(2), desc="scoring", enabled=True)) == [0, 1]
+    assert "\r" not in capsys.readouterr().err
+    lines = [r.getMessage() for r in caplog.records if r.name == "rlep_megatron.metrics"]
+    assert lines and all("scoring" in line and "\r" not in line for line in lines)
+    assert "2/2" in lines[-1]
+    # a terminal: tqdm's bar on stderr
+    caplog.clear()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert list(progress(range(2), desc="scoring", enabled=True)) == [0, 1]
     assert "scoring" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.name == "rlep_megatron.metrics"]
+
+
+def test_the_step_line_holds_the_numbers_a_person_watches():
+    from rlep_megatron.metrics import format_step_line
+
+    record = {"rollout/reward_mean": 0.4183, "rollout/acc_mean": 0.7109, "replay/fraction": 0.1111,
+              "val/tiny_column/mean@8": 0.643, "val/tiny_column/best@8": 0.9,
+              "rollout/mismatch_kl_k3": 2.4e-14, "train/grad_norm": 0.4213,
+              "timing/step_s": 4.0, "timing/validate_s": 0.8, "timing/train_s": 2.0,
+              "timing/train_tokens_per_s": 4620.0, "train/pg_loss": 0.1}
+    line = format_step_line(12, 30, record, eta_s=87)
+    assert line == ("step 12/30 | reward +0.418 acc 71.1% | replay 11% | val tiny_column "
+                    "mean@8 64.3% | mismatch 2.4e-14 | grad 0.421 | 4.8 s, 2,310 tok/s | "
+                    "eta 1m27s")
+    # with the KL penalty on, its estimate replaces the mismatch; no replay share at M = 0
+    record.update({"train/kl_k3": 1.5e-3, "replay/fraction": 0.0})
+    line = format_step_line(30, 30, record, eta_s=0)
+    assert "kl 1.50e-03" in line and "mismatch" not in line and "replay" not in line
+    assert "eta" not in line  # the last step
+    # step 0: validation only
+    assert format_step_line(0, 30, {"val/gsm8k/mean@4": 0.5, "timing/validate_s": 3.21}) == (
+        "step 0/30 | val gsm8k mean@4 50.0% | 3.2 s")
 
 
 class FakeWandb:

@@ -63,7 +63,16 @@ def routing_check(chunks, info, prompts, responses):
     from rlep_megatron.actor.forward import actor_logprobs
     from rlep_megatron.actor.routing import RoutingReplay
 
+    from rlep_megatron import distributed
+    from rlep_megatron.models import num_experts
+    from rlep_megatron.actor import routing_store
+
     flat = [r for group in responses for r in group]
+    # the tables stayed with the replica that generated them: every rank takes all of them
+    # here (every rank is one "share"), as the trainer delivers each to the ranks training it
+    world = torch.distributed.get_world_size()
+    routing_store.deliver([flat], 0, [0] * world, distributed.rollout_group(),
+                          num_experts(info.hf_config))
     input_ids, lengths = pad_sequences([prompts[r.prompt_index] + r.token_ids for r in flat],
                                        pad_id=PAD)
     replay = RoutingReplay(chunks)
@@ -102,16 +111,18 @@ def _read_one_early(replay, mutate: bool):
     if not mutate:
         yield
         return
-    original = type(replay)._against_engine
+    original = type(replay)._host_experts
 
-    def early(self, layer, indices, rows, cols, valid):
-        return original(self, layer, indices, rows, (cols - 1).clamp(min=0), valid)
+    def early(self, table, rows, cols, fill):
+        if table is self.engine:
+            cols = (cols - 1).clamp(min=0)
+        return original(self, table, rows, cols, fill)
 
-    replay._against_engine = types.MethodType(early, replay)
+    replay._host_experts = types.MethodType(early, replay)
     try:
         yield
     finally:
-        del replay._against_engine
+        del replay._host_experts
 
 
 def common_prefix_diffs(before, after):

@@ -157,6 +157,46 @@ def test_a_gpu_engine_is_built_eager_on_the_v1_runner_when_its_routing_is_replay
         assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is v2
 
 
+def test_engine_routing_comes_from_vllms_output_on_a_gpu_and_from_the_hook_on_cpu():
+    """rollout.engine_routing: auto reads vLLM's own routed experts on a GPU (V2 runner, CUDA
+    graphs kept: no eager, no runner variable) and hooks the V1 runner on CPU; capture on a
+    GPU is the eager V1 engine; output is refused on CPU and where V1 is forced."""
+    from rlep_megatron.rollout.routing_capture import engine_routing_settings
+
+    assert engine_routing_settings("auto", True, {}) == (
+        {"enable_return_routed_experts": True}, {}, "output")
+    assert engine_routing_settings("auto", False, {}) == ({}, {}, "capture")
+    assert engine_routing_settings("capture", True, {}) == (
+        {"enforce_eager": True}, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "capture")
+    with pytest.raises(ValueError, match="CPU build lacks"):
+        engine_routing_settings("output", False, {})
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=0 asks for V1"):
+        engine_routing_settings("output", True, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    with pytest.raises(ValueError, match="must be one of"):
+        engine_routing_settings("v2", True, {})
+    # the engine's keyword is one vLLM's engine arguments know
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert EngineArgs(model="m", enable_return_routed_experts=True).enable_return_routed_experts
+
+
+def test_vllms_own_routed_experts_become_signed_rows_per_position():
+    """vLLM's ``routed_experts`` (uint8, one row per computed position): int16, cut or filled
+    with -1 to prompt + response like the captured ones."""
+    from types import SimpleNamespace
+
+    from rlep_megatron.rollout.engine import _response
+
+    logprobs = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[-1.0] * 3, end_indices=[1, 2, 3])
+    completion = SimpleNamespace(token_ids=[5, 6, 7], logprobs=logprobs, finish_reason="stop")
+    rows = (np.arange(7 * LAYERS * TOPK) % 200).astype(np.uint8).reshape(7, LAYERS, TOPK)
+    tokenizer = SimpleNamespace(decode=lambda ids, **options: "x")
+    response = _response(0, completion, tokenizer, rows, prompt=[1] * 5)
+    assert response.routing.dtype == np.int16 and response.routing.shape[0] == 8
+    assert np.array_equal(response.routing[:7], rows.astype(np.int16))
+    assert (response.routing[7] == -1).all()
+
+
 def test_the_engine_variables_are_put_back_and_nothing_else_touched(monkeypatch):
     """The runner variable is set only while the engine is built (also when building fails);
     what was unset is unset again, and variables the build itself sets stay."""
