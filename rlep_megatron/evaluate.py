@@ -108,7 +108,7 @@ def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: flo
     prompts = [tokenize_prompt(tokenizer, rows.messages[r], max_prompt_tokens).token_ids
                for r in range(len(rows))]
     groups = engine.generate(prompts, n=k, temperature=temperature, top_p=top_p, top_k=-1,
-                             max_tokens=max_tokens, seed=seed)
+                             max_tokens=max_tokens, seed=seed, routing=False)
     requests = [ScoreRequest(rows.data_source[row], response.text, rows.ground_truth[row])
                 for row, responses in enumerate(groups) for response in responses]
     results = iter(map_across_ranks(scorer.score, requests))

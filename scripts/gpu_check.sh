@@ -17,8 +17,10 @@
 #       --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
 #
 # (2.6 MB; add any other package the preflight reports missing the same way). The engine's and
-# TransformerEngine's tests then skip, each with its reason; every local-spec test runs. On an
-# H100 it takes about 5 minutes: one 10-minute call of a lent machine.
+# TransformerEngine's tests then skip, each with its reason; every local-spec test runs. Each
+# step has a time limit (tests 4 minutes, the MoE bench 1.5, each actor bench 1.5), so that the
+# whole check ends within 8 minutes: one 10-minute call of a lent machine. The table is printed
+# whenever the script ends, with what finished.
 #
 # Before anything needs a GPU, a preflight checks the interpreter, the imports and the
 # collection of the GPU tests. Without a visible CUDA device the script stops after it and
@@ -106,41 +108,51 @@ if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 
 # --- on the GPU ---------------------------------------------------------------------------
-"$PYTHON" -c 'import torch; print(f"gpu_check.sh: {torch.cuda.get_device_name()}, torch {torch.__version__}")'
+DEVICE=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())')
+echo "gpu_check.sh: $DEVICE, torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
 status=0
 LOG="$(mktemp)"
+summary() {
+    echo
+    echo "gpu_check.sh summary ($DEVICE; every step's output: $LOG)"
+    table
+    echo "gpu_check.sh: finished with exit code $status"
+}
+trap summary EXIT
 timed() {  # seconds, command...: runs it, appends its output to $LOG, sets $out, $elapsed
     local limit=$1
     shift
     local start=$SECONDS
-    out=$(timeout "$limit" "$@" 2>&1)
+    out=$(timeout -k 10 "$limit" "$@" 2>&1)
     local code=$?
     echo "$out" >> "$LOG"
     echo "$out"
     elapsed=$((SECONDS - start))
     return $code
 }
-if timed 300 "$PYTHON" -m pytest -m gpu -q -rs tests/gpu; then verdict=passed; else
+if timed 240 "$PYTHON" -m pytest -m gpu -q -rs tests/gpu; then verdict=passed; else
     verdict=FAILED; status=1; fi
 row "GPU tests (${elapsed}s)" "$verdict" "$(echo "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1 | tr -d '=')"
-if timed 120 "$PYTHON" bench/moe_experts.py --tokens 16384 --repeats 10; then
+if timed 90 "$PYTHON" bench/moe_experts.py --tokens 16384 --repeats 10; then
     speed=$(echo "$out" | grep '^| grouped' | awk -F'|' '{print $4}')
     parity=$(echo "$out" | grep '^max relative difference' | sed 's/.*: //')
-    row "MoE experts, grouped vs sequential (${elapsed}s)" "ran" "speed-up$speed; $parity"
+    # bf16: the two paths' GEMMs may accumulate in another order, not more than bf16 rounding
+    worst=$(echo "$parity" | grep -oE '[0-9.]+e[-+][0-9]+' | sort -g | tail -1)
+    if awk -v w="${worst:-1}" 'BEGIN { exit !(w <= 2e-2) }'; then verdict=ran; else
+        verdict="FAILED (differences above 2e-2)"; status=1; fi
+    row "MoE experts, grouped vs sequential (${elapsed}s)" "$verdict" "speed-up$speed; $parity"
 else
     row "MoE experts, grouped vs sequential (${elapsed}s)" "FAILED" "see the log"; status=1
 fi
 for args in "" "--micro-batch 1 --seq-len 8192"; do
     # shellcheck disable=SC2086
-    if timed 180 "$PYTHON" bench/actor_throughput.py $args; then
-        line=$(echo "$out" | tail -1 | awk -F'|' '{print "MFU" $6 "; before the step, measured / planner" $8 "; step above it" $9}')
+    if timed 90 "$PYTHON" bench/actor_throughput.py $args; then
+        # the bench's row: "B x S | step | tokens/s | TFLOP/s | MFU | peak | before | above"
+        line=$(echo "$out" | grep -E '^[0-9]+ x [0-9]+ \|' | tail -1 \
+               | awk -F'|' '{print "MFU" $5 "; GiB before the step, measured / planner" $7 "; step above it" $8}')
         row "actor bench ${args:-4 x 2048} (${elapsed}s)" "ran" "$line"
     else
         row "actor bench ${args:-4 x 2048} (${elapsed}s)" "FAILED" "see the log"; status=1
     fi
 done
-echo
-echo "gpu_check.sh summary ($("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())'))"
-table
-echo "gpu_check.sh: finished with exit code $status"
 exit "$status"

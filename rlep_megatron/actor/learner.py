@@ -239,7 +239,10 @@ class LearningSide:
         """``optim.offload_during_rollout``: gradient buffers and optimizer state leave the
         GPU until :meth:`restore_train_state`."""
         if self.offload_train_state and not self._train_state_offloaded:
+            from rlep_megatron.models.grouped_experts import release_scratch
+
             self.optimizer.offload(self.chunks)
+            release_scratch()
             self._train_state_offloaded = True
 
     def restore_train_state(self) -> None:

@@ -129,6 +129,7 @@ class RoutingReplay:
         self._recorded: list[tuple[tuple[torch.Tensor, torch.Tensor], dict]] = []
         self._batch_experts: Optional[torch.Tensor] = None  # [layers, tokens, k], device
         self._match = None  # (compared, differing) device counters of the comparison
+        self._valid: Optional[torch.Tensor] = None  # the expert count's real tokens, device
 
     @contextlib.contextmanager
     def recording(self, num_rows: int, num_columns: int,
@@ -157,24 +158,30 @@ class RoutingReplay:
 
     def _flush_records(self) -> None:
         """The pass's top-k, kept on the device, into the host store: one copy for the pass
-        (and the comparison's two counts)."""
+        (each micro-batch's layers stacked, ``[layers, tokens, k]``, and its places), and the
+        comparison's two counts."""
         if self._match is not None and _EXPERT_LOAD is not None:
             compared, differing = torch.stack(self._match).tolist()
             _EXPERT_LOAD.note_routing_match(int(compared), int(differing))
         parts = [(places, recorded) for places, recorded in self._recorded if recorded]
         if not parts:
             return
-        rows = torch.cat([places[0] for places, recorded in parts for _ in recorded])
-        cols = torch.cat([places[1] for places, recorded in parts for _ in recorded])
-        layers = torch.cat([torch.full_like(places[0], layer)
-                            for places, recorded in parts for layer in recorded])
-        experts = torch.cat([indices for _, recorded in parts
-                             for indices in recorded.values()])
-        rows, cols, layers, experts = (t.cpu() for t in (rows, cols, layers, experts))
-        valid = rows >= 0
-        for layer in self.layers:
-            mine = valid & (layers == layer)
-            self.store[layer][rows[mine], cols[mine]] = experts[mine].to(self.dtype)
+        experts = torch.cat([torch.stack(list(recorded.values())).flatten(0, 1)
+                             for _, recorded in parts]).cpu()
+        rows = torch.cat([places[0] for places, _ in parts]).cpu()
+        cols = torch.cat([places[1] for places, _ in parts]).cpu()
+        offset = start = 0
+        for places, recorded in parts:
+            count = places[0].numel()
+            block = experts[offset:offset + len(recorded) * count].view(len(recorded), count,
+                                                                         self.topk_size)
+            mb_rows, mb_cols = rows[start:start + count], cols[start:start + count]
+            valid = mb_rows >= 0
+            for i, layer in enumerate(recorded):
+                self.store[layer][mb_rows[valid], mb_cols[valid]] = block[i][valid].to(
+                    self.dtype)
+            offset += len(recorded) * count
+            start += count
 
     def _share_between_shards(self) -> None:
         """With sequence or context parallelism each rank routed only its shard of every
@@ -219,6 +226,8 @@ class RoutingReplay:
         once."""
         host = (rows.cpu(), cols.cpu())
         self.places = (rows.to(self.device), cols.to(self.device))
+        valid = None if _EXPERT_LOAD is None else _EXPERT_LOAD.valid
+        self._valid = None if valid is None else valid.to(self.device)
         if self.mode == "record":
             self._recorded.append((self.places, {}))
             if self.engine is not None:
@@ -278,8 +287,8 @@ class RoutingReplay:
         has them."""
         engine = self._batch_experts[self._position[layer]]
         known = (engine >= 0).all(dim=1)
-        if _EXPERT_LOAD is not None and _EXPERT_LOAD.valid is not None:
-            known &= _EXPERT_LOAD.valid.to(known.device)  # placeholder rows are not compared
+        if self._valid is not None:
+            known &= self._valid  # placeholder rows are not compared
         differ = (indices.sort(dim=1).values != engine.sort(dim=1).values).any(dim=1) & known
         counts = (known.sum(), differ.sum())
         self._match = counts if self._match is None else (self._match[0] + counts[0],

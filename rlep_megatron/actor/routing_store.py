@@ -40,11 +40,10 @@ class RoutingHold:
         self.tables[key] = (table, self.deliveries)
         return key
 
-    def get(self, key: int) -> np.ndarray:
-        if key not in self.tables:
-            raise RuntimeError(f"routing table {key} is no longer held on this rank (a "
-                               "response trained more than the hold keeps after its rollout)")
-        return self.tables[key][0]
+    def get(self, key: int) -> Optional[np.ndarray]:
+        """The table, or ``None`` when it is no longer held."""
+        entry = self.tables.get(key)
+        return None if entry is None else entry[0]
 
     def age_out(self, keep: int) -> None:
         """Drop the tables held through more than ``keep`` deliveries."""
@@ -87,6 +86,7 @@ def deliver(shares: list[list], my_share: int, share_of_rank: list[int], group,
     dtype = expert_dtype(num_experts)
     outgoing: list[list[np.ndarray]] = [[] for _ in range(world)]
     wanted: list = []  # this rank's sequences to fill, in the order their owners send them
+    lost = 0  # tables of this rank that are no longer held
     for share, seqs in enumerate(shares):
         for seq in seqs:
             key = getattr(seq, "routing_key", None)
@@ -97,14 +97,23 @@ def deliver(shares: list[list], my_share: int, share_of_rank: list[int], group,
                 wanted.append((owner, serial, seq))
             if owner == me:
                 table = HOLD.get(serial)
+                if table is None:
+                    lost += 1
+                    continue
                 for rank in range(world):
                     if share_of_rank[rank] == share:
                         outgoing[rank].append(table)
     # the tables go as one flat byte buffer per destination, each prefixed by its shape
     payloads = [_pack(tables, dtype) for tables in outgoing]
-    sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+    # a rank that lost tables says so in the size exchange (-1 to every rank), so that every
+    # rank raises here rather than some waiting in the exchange that follows
+    sizes = torch.tensor([-1 if lost else len(p) for p in payloads], dtype=torch.int64)
     incoming_sizes = torch.empty(world, dtype=torch.int64)
     torch.distributed.all_to_all_single(incoming_sizes, sizes, group=group)
+    if (incoming_sizes < 0).any():
+        ranks = (incoming_sizes < 0).nonzero().flatten().tolist()
+        raise RuntimeError(f"routing tables of rank(s) {ranks} are no longer held (a response "
+                           "trained later than the hold keeps tables after its rollout)")
     send = torch.from_numpy(np.concatenate(payloads)) if sizes.sum() else torch.empty(
         0, dtype=torch.uint8)
     received = torch.empty(int(incoming_sizes.sum()), dtype=torch.uint8)

@@ -47,6 +47,11 @@ def _aligned(*sizes: int, dtype: torch.dtype) -> bool:
 _SCRATCH: dict = {}  # (device, dtype) -> the flat buffer the weights are stacked into
 
 
+def release_scratch() -> None:
+    """Free the stacking buffers (while the optimizer state is offloaded for the rollout)."""
+    _SCRATCH.clear()
+
+
 def _stacked(weights) -> torch.Tensor:
     """``torch.stack(weights)`` in the shared scratch buffer (module doc); valid until the next
     call (the GEMMs that read it are queued on the same stream before that)."""
@@ -79,8 +84,11 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = F.grouped_mm(grad_y, _stacked(weights), offs=offs)
         if any(ctx.needs_input_grad[2:]):
-            # [out, tokens] x [tokens, in], the token dimension cut by offs -> [groups, out, in]
+            # [out, tokens] x [tokens, in], the token dimension cut by offs -> [groups, out, in];
+            # a group without tokens gets exactly 0 (some kernels leave it unwritten)
             grad_w = F.grouped_mm(grad_y.t(), x.contiguous(), offs=offs)
+            empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+            grad_w = grad_w.masked_fill(empty[:, None, None], 0)
         grads = grad_w.unbind(0) if grad_w is not None else (None,) * len(weights)
         return (grad_x, None, *grads)
 
@@ -107,7 +115,7 @@ def _grouped_mlp_class():
                 raise ValueError("model.moe_experts=grouped (torch grouped GEMM) does not "
                                  f"support {', '.join(unsupported)}; use "
                                  "model.moe_experts=sequential")
-            if not grouped_mm_available():
+            if not grouped_mm_available():  # build_model checks first; a direct build here
                 raise RuntimeError("model.moe_experts=grouped needs torch.nn.functional."
                                    f"grouped_mm (torch >= 2.10; this is {torch.__version__}); "
                                    "use model.moe_experts=sequential")

@@ -150,8 +150,7 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
                                 moe_z_loss_coeff, moe_experts)
     if config.num_moe_experts:
         platform.megatron_moe_without_te()
-        if not on_meta_device:
-            _report_experts(use_te, moe_experts)
+        moe_experts = _expert_path(use_te, moe_experts, report=not on_meta_device)
     if use_te and not config.num_moe_experts:
         from megatron.core.models.gpt.gpt_layer_specs import \
             get_gpt_layer_with_transformer_engine_spec
@@ -186,10 +185,22 @@ def build_model(hf_config: dict[str, Any], params_dtype: torch.dtype,
 _MOE_EXPERTS = ("auto", "grouped", "sequential")
 
 
-def _report_experts(use_te: bool, moe_experts: str) -> None:
+def _expert_path(use_te: bool, moe_experts: str, report: bool) -> str:
+    """``model.moe_experts`` as it will run: ``auto`` falls back to ``sequential`` (with a
+    warning) where neither TE nor torch's ``grouped_mm`` is there; said in the log once."""
+    from rlep_megatron.models.grouped_experts import grouped_mm_available
+
     if moe_experts not in _MOE_EXPERTS:
         raise ValueError(f"model.moe_experts must be one of {', '.join(_MOE_EXPERTS)}; "
                          f"got {moe_experts!r}")
+    if moe_experts == "auto" and not use_te and not grouped_mm_available():
+        logger.warning("model.moe_experts=auto: torch %s has no torch.nn.functional.grouped_mm "
+                       "(torch >= 2.10) and TransformerEngine is not used, so the experts run "
+                       "one after another (megatron's SequentialMLP), much slower on a GPU",
+                       torch.__version__)
+        moe_experts = "sequential"
+    if not report:
+        return moe_experts
     if moe_experts == "sequential":
         path = "one after another (megatron's SequentialMLP; model.moe_experts=sequential)"
     elif use_te:
@@ -197,6 +208,7 @@ def _report_experts(use_te: bool, moe_experts: str) -> None:
     else:
         path = "torch's grouped GEMM (torch.nn.functional.grouped_mm)"
     logger.info("mixture-of-experts layers run their local experts with %s", path)
+    return moe_experts
 
 
 def _block_spec(config, use_te: bool, vp_stage: Optional[int], moe_experts: str = "auto"):

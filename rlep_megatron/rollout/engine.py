@@ -253,7 +253,7 @@ class RolloutEngine:
             from rlep_megatron.rollout.routing_capture import engine_routing_settings
 
             extra, variables, self.routing_source = engine_routing_settings(
-                cfg.engine_routing, platform.cuda_available(), os.environ)
+                cfg.engine_routing, platform.cuda_available(), os.environ, tp)
             settings.update(extra)
             if extra.get("enforce_eager"):
                 logger.info("rollout engine: vLLM's V1 model runner without CUDA graphs, so "
@@ -334,10 +334,11 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
                  top_k: Optional[int] = None, max_tokens: Optional[int] = None,
-                 seed: int = 0) -> list[list[Response]]:
+                 seed: int = 0, routing: bool = True) -> list[list[Response]]:
         """Sample ``n`` responses for every prompt (token ids; the same list on every rank).
         Defaults come from the rollout config. Returns, on every rank, one list of ``n``
-        responses per prompt, in prompt order."""
+        responses per prompt, in prompt order. ``routing=False``: no routing tables, also where
+        the engine captures them (evaluation trains nothing)."""
         self.check_ready()
         cfg = self.cfg
         n = cfg.num_samples_per_prompt if n is None else n
@@ -351,6 +352,9 @@ class RolloutEngine:
                                        request_seed(seed, i, n)) for i in mine]
         local: list[list[Response]] = []
         if requests:  # an empty share skips the engine: no other replica waits on it
+            # (the hook captures also when the tables are not wanted: the prompt positions it
+            # records are those later requests take from vLLM's prefix cache)
+            wanted = routing and self.capturing_routing
             hooked = self.capturing_routing and self.routing_source == "capture"
             if hooked:
                 self.llm.collective_rpc("rlep_routing_arm")
@@ -359,7 +363,8 @@ class RolloutEngine:
             tokenizer = self.llm.get_tokenizer()
             for index, output, request in zip(mine, outputs, params):
                 local.append([_response(index, completion, tokenizer,
-                                        completion.routed_experts
+                                        None if not wanted
+                                        else completion.routed_experts
                                         if self.routing_source == "output"
                                         else routes.get(request.seed + completion.index),
                                         prompts[index])
@@ -370,9 +375,8 @@ class RolloutEngine:
                     ) -> list[list[Response]]:
         """Every replica's responses on every rank (one copy per replica is taken), over the
         rollout's gloo group. Routing tables stay with the replica that made them
-        (:func:`~rlep_megatron.actor.routing_store.hold_for_gather`). One engine needs no
-        gather, unless its routing came from vLLM's output, which only its first TP rank has."""
-        if self.dp_size == 1 and not (self.routing_source == "output" and self.tp_size > 1):
+        (:func:`~rlep_megatron.actor.routing_store.hold_for_gather`)."""
+        if self.dp_size == 1:
             return local
         from rlep_megatron import distributed
         from rlep_megatron.actor.routing_store import hold_for_gather

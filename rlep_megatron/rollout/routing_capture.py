@@ -30,9 +30,10 @@ asks for the engine's routing with ``rollout.engine_routing=capture``
 Where vLLM itself returns the routing (``rollout.engine_routing=output``, the default on a GPU:
 :func:`engine_routing_settings`), the engine keeps its V2 runner and CUDA graphs and each
 finished completion carries ``routed_experts`` (``[positions, layers, top-k]``, uint8 up to 256
-experts, rows of the dense layers 0), on the first tensor-parallel rank of each engine only;
-the responses then go through the gather (:mod:`rlep_megatron.actor.routing_store`) even with
-one engine, so that the ranks that train them receive them.
+experts, rows of the dense layers 0). vLLM 0.32 gives them to the first tensor-parallel rank
+of an in-process engine only, and the other ranks' schedulers then fail: ``output`` is for
+engines of one GPU (``rollout.tensor_model_parallel_size=1``), ``auto`` takes ``capture`` for
+larger ones.
 """
 from __future__ import annotations
 
@@ -72,25 +73,33 @@ def eager_v1_engine_settings(cuda: bool, environ: Mapping[str, str]
 ENGINE_ROUTING = ("auto", "output", "capture")
 
 
-def engine_routing_settings(mode: str, cuda: bool, environ: Mapping[str, str]
-                            ) -> tuple[dict, dict[str, str], str]:
+def engine_routing_settings(mode: str, cuda: bool, environ: Mapping[str, str],
+                            tensor_parallel_size: int = 1) -> tuple[dict, dict[str, str], str]:
     """How the engine's routing is obtained (``rollout.engine_routing``): ``(LLM keyword
     arguments, environment variables while the engine is built, source)`` with source
     ``output`` (vLLM's own ``routed_experts``: the V2 runner, CUDA graphs kept; GPU only, the
-    default there) or ``capture`` (this module's hook on the V1 runner: eager on a GPU, slower
+    default there for an engine of one GPU) or ``capture`` (this module's hook on the V1 runner: eager on a GPU, slower
     decoding; the CPU path). Raises ValueError for a mode the device or the environment rules
     out."""
     if mode not in ENGINE_ROUTING:
         raise ValueError(f"rollout.engine_routing must be one of {', '.join(ENGINE_ROUTING)}, "
                          f"got {mode!r}")
     if mode == "auto":
-        mode = "output" if cuda else "capture"
+        mode = "output" if cuda and tensor_parallel_size == 1 else "capture"
     if mode == "capture":
         kwargs, variables = eager_v1_engine_settings(cuda, environ)
         return kwargs, variables, "capture"
     if not cuda:
         raise ValueError("rollout.engine_routing=output needs vLLM's V2 model runner, which "
                          "the CPU build lacks; use auto or capture on CPU")
+    if tensor_parallel_size > 1:
+        # under the in-process launcher every rank runs a scheduler, and vLLM 0.32's routing
+        # connector sends the experts to the first tensor-parallel rank's only: the others'
+        # schedulers assert on the missing output
+        raise ValueError("rollout.engine_routing=output needs an engine of one GPU "
+                         f"(rollout.tensor_model_parallel_size=1, not {tensor_parallel_size}): "
+                         "vLLM 0.32 returns the routed experts to the first rank of an "
+                         "in-process tensor-parallel engine only; use auto or capture")
     asked = environ.get(V2_RUNNER_VARIABLE, "").strip()
     if asked and asked.lstrip("+-").isdigit() and int(asked) == 0:
         raise ValueError(f"rollout.engine_routing=output reads the routed experts vLLM's V2 "

@@ -69,6 +69,43 @@ def exchange(out: str, tp: int) -> None:
     distributed.destroy()
 
 
+def lost_table(out: str) -> None:
+    """Rank 0 no longer holds one of its tables when the step asks for it: every rank raises
+    at the size exchange (none waits in the exchange that would follow)."""
+    import torch
+
+    from rlep_megatron import distributed
+    from rlep_megatron.actor import routing_store
+    from rlep_megatron.data.batch import Sample
+    from rlep_megatron.rollout.engine import Response, RolloutEngine
+
+    distributed.init_process_group()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    local = [[Response(i, [1, 2], [0.0] * 2, "", "stop", routing=table(rank, i))]
+             for i in range(2)]
+    engine = RolloutEngine.__new__(RolloutEngine)
+    engine.__dict__.update(rank=rank, tp_size=1, dp_size=world,
+                           gather_group=distributed.rollout_group())
+    merged = engine._all_gather(local, 2 * world)
+    seqs = [Sample(g, r.token_ids, "", "fresh", routing_key=r.routing_key)
+            for g, group in enumerate(merged) for r in group]
+    if rank == 0:
+        routing_store.HOLD.tables.clear()
+    try:
+        routing_store.deliver([seqs[d::world] for d in range(world)], rank, list(range(world)),
+                              distributed.rollout_group(), EXPERTS)
+        raised = 0.0
+    except RuntimeError as err:
+        raised = float("rank(s) [0]" in str(err))
+    everywhere = torch.tensor([raised])
+    torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN,
+                                 group=distributed.rollout_group())
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"raised_everywhere": everywhere.item() == 1.0}, f)
+    distributed.destroy()
+
+
 def run(tmp_path, nproc, tp):
     out = tmp_path / f"delivery-{nproc}-{tp}.json"
     run_function("tests.distributed.test_routing_delivery:exchange", nproc,
@@ -93,3 +130,10 @@ def test_routing_reaches_only_the_ranks_that_train_it(tmp_path):
     # the gather's payload: 4 replicas' responses without tables, less than one replica's
     # responses with its tables
     assert four["gathered_bytes"] < two["sent_with_routing"]
+
+
+def test_a_lost_table_fails_every_rank_at_once(tmp_path):
+    out = tmp_path / "lost.json"
+    run_function("tests.distributed.test_routing_delivery:lost_table", 2, {"out": str(out)},
+                 timeout_s=120)
+    assert json.loads(out.read_text())["raised_everywhere"]

@@ -174,6 +174,11 @@ def test_engine_routing_comes_from_vllms_output_on_a_gpu_and_from_the_hook_on_cp
         engine_routing_settings("output", True, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
     with pytest.raises(ValueError, match="must be one of"):
         engine_routing_settings("v2", True, {})
+    # vLLM 0.32 returns the experts to the first rank of a TP engine only: such an engine
+    # captures (auto), and output is refused
+    assert engine_routing_settings("auto", True, {}, tensor_parallel_size=2)[2] == "capture"
+    with pytest.raises(ValueError, match="an engine of one GPU"):
+        engine_routing_settings("output", True, {}, tensor_parallel_size=2)
     # the engine's keyword is one vLLM's engine arguments know
     from vllm.engine.arg_utils import EngineArgs
 
