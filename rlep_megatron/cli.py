@@ -16,13 +16,13 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
 * ``rlep init RECIPE --model DIR --train F [--val F] [--nodes K --gpus-per-node N] [--pool P]``:
   a recipe for your own model and data from the shipped templates
   (:mod:`rlep_megatron.recipe_init`).
+* ``rlep demo [--out-dir D] [--long] [--seeds N] [--arms A,B] [--warm-start-seed S] [--jobs J]
+  [--prepare-only]``: the whole RLEP pipeline on the tiny default, baseline vs RLEP over
+  several seeds (J training runs at a time).
 
 ``init`` and ``plan`` size the job alike: ``--nodes`` x ``--gpus-per-node`` GPUs (1 x 1 by
 default). The old ``--gpus`` (GPUs per node in ``init``, all GPUs in ``plan``) is refused with the
 new spelling.
-* ``rlep demo [--out-dir D] [--long] [--seeds N] [--arms A,B] [--warm-start-seed S] [--jobs J]
-  [--prepare-only]``: the whole RLEP pipeline on the tiny default, baseline vs RLEP over
-  several seeds (J training runs at a time).
 """
 from __future__ import annotations
 

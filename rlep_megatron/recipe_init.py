@@ -4,8 +4,9 @@ The template follows the hardware: ``examples/one_gpu.yaml`` for one GPU,
 ``examples/one_node.yaml`` for one node of several GPUs, the paper's 64-GPU recipes
 (``examples/dapo_nodyn_bs64.yaml``, ``examples/rlep.yaml`` with a pool) for several nodes. Into
 it go the model directory, the data files, the output directory and (with ``--pool``) RLEP's
-M = 2 replays, and (with ``--reward-function``) your own reward; tensor parallelism is lowered until it divides the model's attention and
-key/value heads and the GPUs of a node, and the response budget is cut to the model's context.
+M = 2 replays, and (with ``--reward-function``) your own reward; tensor parallelism is lowered
+until it divides the model's attention and key/value heads and the GPUs of a node, and the
+response budget is cut to the model's context.
 The result is checked like ``rlep config`` before it is written, and an existing file is never
 overwritten without ``--force``.
 """

@@ -86,7 +86,6 @@ class LearningSide:
         self.routing_replay = None
         # the engine's routing tables reach only the ranks that train them (old_logprob.py)
         self.share_of_rank: Optional[list[int]] = None
-        self.routing_bytes_received = 0
         if self.moe:
             from rlep_megatron.actor.routing import RoutingReplay
 

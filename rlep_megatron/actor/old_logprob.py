@@ -123,13 +123,13 @@ def deliver_routing(side, shares: list[list]) -> None:
     from rlep_megatron.models import num_experts
     from rlep_megatron.actor import routing_store
 
-    if any(getattr(seq, "routing_key", None) is not None and seq.routing is None
+    if any(seq.routing_key is not None and seq.routing is None
            for share in shares for seq in share):
         group = distributed.rollout_group()
         if side.share_of_rank is None:
             side.share_of_rank = distributed.all_gather_object(side.ctx.data_parallel_rank,
                                                                group=group)
-        side.routing_bytes_received = routing_store.deliver(
+        routing_store.deliver(
             shares, side.ctx.data_parallel_rank, side.share_of_rank, group,
             num_experts(side.info.hf_config))
     routing_store.HOLD.age_out(keep=side.cfg.trainer.max_staleness + 2)

@@ -89,7 +89,7 @@ def deliver(shares: list[list], my_share: int, share_of_rank: list[int], group,
     lost = 0  # tables of this rank that are no longer held
     for share, seqs in enumerate(shares):
         for seq in seqs:
-            key = getattr(seq, "routing_key", None)
+            key = seq.routing_key
             if seq.routing is not None or key is None:
                 continue
             owner, serial = key
@@ -152,7 +152,3 @@ def _unpack(buffer: np.ndarray, dtype: np.dtype) -> list[np.ndarray]:
         offset += size
     return tables
 
-
-def routing_nbytes(table: Optional[np.ndarray], num_experts: int) -> int:
-    """Bytes of a table on the wire (without its small shape header)."""
-    return 0 if table is None else table.size * expert_dtype(num_experts).itemsize
