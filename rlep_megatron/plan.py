@@ -5,8 +5,8 @@ on the meta device (no storage) for one rank of each pipeline stage, in a simula
 group of ``--nodes`` x ``--gpus-per-node`` ranks (torch's ``fake`` backend), so every padding,
 tied copy and expert split is the one the run will have. Activations follow the per-layer
 accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", section 4), written per saved tensor for what this actor runs: no dropout, fused (flash) attention (no
-``s x s`` scores), grouped-query attention, SwiGLU, optional q/k norms and routed experts.
+Models", section 4), written per saved tensor for what this actor runs: no dropout, fused
+(flash) attention (no ``s x s`` scores), grouped-query attention, SwiGLU, optional q/k norms and routed experts.
 Everything else (logits, reference policy, vLLM) is arithmetic on the recipe, with each
 assumption named in the output.
 """
