@@ -46,6 +46,9 @@ setup(
     packages=find_packages(include=["rlep_megatron", "rlep_megatron.*"]),
     install_requires=BASE_REQUIREMENTS,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["rlep = rlep_megatron.cli:main"]},
+    entry_points={"console_scripts": ["rlep = rlep_megatron.cli:main"],
+                  # the rlep_gloo weight transfer of a rollout server (vLLM loads it)
+                  "vllm.general_plugins": [
+                      "rlep_gloo = rlep_megatron.rollout.gloo_transfer:register"]},
     license="Apache-2.0",
 )

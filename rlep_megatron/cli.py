@@ -111,6 +111,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rlep_megatron.trainer import run_train
 
     cfg = _load_for_job(args)
+    if cfg.rollout.placement == "separate" and cfg.rollout.num_ranks:
+        from rlep_megatron.distributed import split_rollout_ranks
+
+        index = split_rollout_ranks(cfg.rollout.num_ranks)
+        if index is not None:  # this rank runs a vLLM server for the trainers
+            from rlep_megatron.rollout.server import serve_rollout_rank
+
+            serve_rollout_rank(cfg, index)
+            return 0
     out = run_train(cfg, release=not args.process_ends)
     logger.info("training finished: %s", out)
     return 0

@@ -124,7 +124,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
                 write_file_atomic(job_file, json.dumps({"signature": signature,
                                                         "shards": len(shards)}))
         distributed.barrier()
-        tokenizer = engine.llm.get_tokenizer()
+        tokenizer = engine.get_tokenizer()
         done = 0
         for number, indices in enumerate(shards):
             path = os.path.join(shard_dir, f"shard_{number:05d}.json")

@@ -150,13 +150,29 @@ class RolloutConfig:
     """Release vLLM weights/KV cache during training (GPU only; skipped on CPU)."""
     weight_sync_bucket_bytes: int = 512 * 1024 * 1024
     """Bucket size of the Megatron -> vLLM weight stream."""
-    carry_over: Literal["resume", "restart"] = "resume"
+    carry_over: Literal["resume", "restart", "keep"] = "resume"
     """With ``trainer.max_staleness >= 1``, what becomes of a request still generating when the
     weights change. ``resume``: it leaves the engine and comes back with its tokens so far as
     part of its prompt, so the rest is sampled (and its KV cache recomputed) under the new
     weights; the tokens it had keep the version and log-prob that sampled them. ``restart``:
     its tokens are dropped and it starts over under the new weights (less stale data, more
-    generation). docs/ASYNC.md."""
+    generation). ``keep`` (``placement: separate`` only): it stays on the server, frozen during
+    the update, and goes on with the KV cache the old weights computed. docs/ASYNC.md."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """``colocated``: a vLLM engine in every training process, taking turns with the actor on
+    the same devices. ``separate``: generation on vLLM servers of their own (the last
+    ``rollout.num_ranks`` ranks of the torchrun job start them, or ``rollout.server_urls``
+    names running ones); with ``trainer.max_staleness >= 1`` they generate the next batch while
+    the trainers train. docs/ASYNC.md."""
+    num_ranks: int = 0
+    """``placement: separate``: how many ranks of the torchrun job run a vLLM server each
+    (each with ``tensor_model_parallel_size`` GPUs of its node); the others train."""
+    server_urls: list[str] = field(default_factory=list)
+    """``placement: separate``: running ``vllm serve`` servers to use instead of rollout ranks
+    (``rlep serve-args`` prints the flags they need)."""
+    server_timeout_s: float = 60.0
+    """``placement: separate``: a server that does not answer its health check for this long
+    ends the job with an error naming it."""
     engine_routing: Literal["auto", "output", "capture"] = "auto"
     """Where the engine's routing comes from when ``algo.routing_replay=rollout`` replays it:
     ``output``, vLLM's own ``routed_experts`` (its V2 model runner, CUDA graphs kept; GPU
@@ -196,9 +212,23 @@ class RolloutConfig:
         if self.weight_sync_bucket_bytes < 1:
             raise ValueError("rollout.weight_sync_bucket_bytes must be >= 1 (bytes per bucket "
                              f"of the weight stream), got {self.weight_sync_bucket_bytes}")
-        if self.carry_over not in ("resume", "restart"):
-            raise ValueError(f"rollout.carry_over must be resume or restart, got "
+        if self.carry_over not in ("resume", "restart", "keep"):
+            raise ValueError(f"rollout.carry_over must be resume, restart or keep, got "
                              f"{self.carry_over!r}")
+        if self.placement not in ("colocated", "separate"):
+            raise ValueError(f"rollout.placement must be colocated or separate, got "
+                             f"{self.placement!r}")
+        if self.num_ranks < 0 or self.server_timeout_s <= 0:
+            raise ValueError("rollout.num_ranks must be >= 0 and rollout.server_timeout_s > 0")
+        if self.placement == "separate":
+            if bool(self.num_ranks) == bool(self.server_urls):
+                raise ValueError("rollout.placement=separate needs either rollout.num_ranks "
+                                 "(ranks of this job that start vLLM servers) or "
+                                 "rollout.server_urls (running servers), not both and not "
+                                 "neither")
+        elif self.num_ranks or self.server_urls or self.carry_over == "keep":
+            raise ValueError("rollout.num_ranks, rollout.server_urls and rollout.carry_over="
+                             "keep need rollout.placement=separate")
 
 
 @dataclass(frozen=True)
@@ -640,6 +670,10 @@ class RunConfig:
             raise ValueError(f"trainer.max_staleness={staleness} with algo.dynamic_sampling: "
                              "a step generated ahead cannot know how many rounds it needs; "
                              "use trainer.max_staleness=0 with dynamic sampling")
+        if self.rollout.placement == "separate" and self.algo.routing_replay == "rollout":
+            raise ValueError("algo.routing_replay=rollout with rollout.placement=separate: a "
+                             "vLLM server returns no routing to replay; use "
+                             "algo.routing_replay=actor (or off)")
         if staleness and self.algo.routing_replay == "rollout":
             raise ValueError(f"trainer.max_staleness={staleness} with algo.routing_replay="
                              "rollout: the engine's experts are captured per blocking "

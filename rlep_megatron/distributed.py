@@ -116,6 +116,50 @@ def init_process_group(timeout_minutes: int = 30) -> platform.Platform:
     return plat
 
 
+_ROLLOUT_URL_KEY = "rlep/rollout_url/"
+ROLLOUT_DONE_KEY = "rlep/rollout_done"
+
+
+def job_store(timeout_minutes: float = 15.0):
+    """A client of the torchrun job's rendezvous store (``MASTER_ADDR:MASTER_PORT``): how the
+    rollout ranks of ``rollout.placement: separate`` and the trainers find each other."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                    timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def split_rollout_ranks(num_ranks: int) -> Optional[int]:
+    """``rollout.num_ranks``: the last ``num_ranks`` ranks of the torchrun job run the vLLM
+    servers and the others train. Returns this rank's server index, or ``None`` on a training
+    rank, whose ``WORLD_SIZE`` then counts the training ranks only (they form the process
+    group; the servers are no members). Call before :func:`init_process_group`."""
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        raise ValueError("rollout.num_ranks needs a torchrun launch (its last ranks start the "
+                         "vLLM servers); with no launcher, start a server yourself and give "
+                         "rollout.server_urls")
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if num_ranks >= world:
+        raise ValueError(f"rollout.num_ranks={num_ranks} leaves no training rank in a job of "
+                         f"{world}; launch more processes (torchrun --nproc-per-node) or "
+                         f"lower it")
+    train = world - num_ranks
+    if rank >= train:
+        return rank - train
+    os.environ["WORLD_SIZE"] = str(train)
+    return None
+
+
+def publish_rollout_url(index: int, url: str) -> None:
+    job_store().set(f"{_ROLLOUT_URL_KEY}{index}", url)
+
+
+def rollout_urls(num_ranks: int, timeout_minutes: float = 15.0) -> list[str]:
+    """The servers' URLs the rollout ranks published (waits for them to start)."""
+    store = job_store(timeout_minutes)
+    return [store.get(f"{_ROLLOUT_URL_KEY}{i}").decode() for i in range(num_ranks)]
+
+
 _SEQUENCE_PARALLEL = False
 
 

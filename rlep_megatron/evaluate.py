@@ -104,7 +104,7 @@ def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: flo
     from rlep_megatron.distributed import map_across_ranks
     from rlep_megatron.reward.pool import ScoreRequest
 
-    tokenizer = engine.llm.get_tokenizer()
+    tokenizer = engine.get_tokenizer()
     prompts = [tokenize_prompt(tokenizer, rows.messages[r], max_prompt_tokens).token_ids
                for r in range(len(rows))]
     groups = engine.generate(prompts, n=k, temperature=temperature, top_p=top_p, top_k=-1,

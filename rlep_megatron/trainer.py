@@ -68,9 +68,17 @@ def _throughput(batch: StepBatch, timings: dict[str, float]) -> dict[str, float]
 
 
 def build_engine(cfg: RunConfig, learner):
-    """The colocated rollout engine, started with dummy weights (the first weight sync fills
-    them)."""
+    """The rollout engine, started with dummy weights (the first weight sync fills them):
+    colocated, or the vLLM servers of ``rollout.placement: separate``."""
     from rlep_megatron.rollout import RolloutEngine
+
+    if cfg.rollout.placement == "separate":
+        from rlep_megatron.rollout.server import ServerEngine
+
+        urls = (list(cfg.rollout.server_urls) if cfg.rollout.server_urls
+                else distributed.rollout_urls(cfg.rollout.num_ranks))
+        return ServerEngine(urls, cfg.model.hf_dir, cfg.rollout,
+                            timeout_s=cfg.rollout.server_timeout_s)
 
     max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     return RolloutEngine(
@@ -128,7 +136,7 @@ class Trainer:
         self.checkpoints.check_output_dir()
         self.learner = LearningSide(cfg, self.hf_config)
         self.engine = build_engine(cfg, self.learner)
-        tokenizer = self.engine.llm.get_tokenizer()
+        tokenizer = self.engine.get_tokenizer()
         self.learner.connect(self.engine, tokenizer.pad_token_id
                              if tokenizer.pad_token_id is not None else self.engine.eos_token_id)
         self.scheduler = build_scheduler(cfg, self.engine, self.ends_at_checkpoint)
@@ -169,10 +177,17 @@ class Trainer:
         batch = self.rollout.next_batch(self.step, timer)
         with timer.phase("advantage"):
             self.learner.advantage(batch)
-        self.scheduler.pause()  # the weights change: requests in flight leave the engine
+        separate = self.cfg.rollout.placement == "separate"
+        if not separate:
+            self.scheduler.pause()  # the engine gives its device to the update
+        # separate placement: the servers go on generating the next batches meanwhile
         train, old_metrics = self.learner.update(batch, timer, self.step)
         with timer.phase("weight_sync"):
-            self.learner.weight_sync()
+            if separate:
+                self.scheduler.pause()  # the weights change: requests in flight leave or wait
+            self.learner.weight_sync(version=self.step + 1)
+            if separate:
+                self.scheduler.resume(self.step + 1)
         metrics = self.step_metrics(batch, train, old_metrics)
         metrics.update(self.scheduler.tail_metrics())
         self.step += 1
@@ -220,7 +235,7 @@ class Trainer:
         if self.metrics is not None:
             # records after the checkpoint (or all of them on a fresh start) are redone
             self.metrics.truncate_after(self.step if resumed else -1)
-        self.learner.weight_sync()  # the engine starts with dummy weights
+        self.learner.weight_sync(version=self.step)  # the engine starts with dummy weights
         interval = cfg.trainer.validation_interval_steps
         if self.val_rows is not None and interval and not resumed:
             timer = Timer()
@@ -260,10 +275,17 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         self.rollout.close()
+        separate = self.cfg.rollout.placement == "separate"
         if failed:
+            if separate:
+                self.engine.release()  # servers outliving the job are left usable
             return
         distributed.barrier()
-        if release_engine:
+        if separate:
+            self.engine.shutdown()
+            if self.cfg.rollout.num_ranks and distributed.is_rank0():
+                distributed.job_store().set(distributed.ROLLOUT_DONE_KEY, "1")
+        elif release_engine:
             self.engine.shutdown()
 
 

@@ -227,10 +227,12 @@ class LearningSide:
         out["num_optimizer_steps"] = float(len(results))
         return out
 
-    def weight_sync(self) -> dict[str, float]:
+    def weight_sync(self, version=None) -> dict[str, float]:
+        """The actor's weights into the engine; ``version``: the policy version they are (the
+        servers of separate placement label their tokens with it)."""
         from rlep_megatron.weight_sync import sync_weights
 
-        return sync_weights(self.engine, self.streamer)
+        return sync_weights(self.engine, self.streamer, version)
 
     # ------------------------------------------------------------------ memory
 

@@ -321,6 +321,16 @@ class RolloutEngine:
                               max_tokens=max_tokens, seed=seed, logprobs=0, flat_logprobs=True,
                               detokenize=False)
 
+    def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    def requests(self, cfg):
+        """Requests driven one by one (:class:`~rlep_megatron.rollout.requests.EngineRequests`),
+        for the scheduler that generates ahead."""
+        from rlep_megatron.rollout.requests import EngineRequests
+
+        return EngineRequests(self, cfg)
+
     def check_ready(self) -> None:
         """Refuse to generate from stale or released weights; bring the KV cache back."""
         if self._stale_reason is not None:
@@ -398,7 +408,8 @@ class RolloutEngine:
     def stale(self) -> bool:
         return self._stale_reason is not None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     version: Optional[int] = None) -> dict[str, float]:
         """Replace the engine's weights in place from ``(hf_name, full tensor)`` pairs (every
         rank passes the same stream; each keeps its tensor-parallel slice). Collective. On any
         exception the engine is marked stale and the exception propagates."""

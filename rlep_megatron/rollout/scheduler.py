@@ -41,6 +41,9 @@ class SynchronousScheduler:
     def pause(self) -> None:
         """Before the weights change: nothing is in flight between steps."""
 
+    def resume(self, version: int) -> None:
+        """After the weights became ``version``."""
+
     def tail_metrics(self) -> dict[str, float]:
         return {}
 
@@ -49,13 +52,11 @@ class AheadScheduler:
     """Keep the next ``max_staleness`` steps' prompts generating (see the module docstring)."""
 
     def __init__(self, engine, cfg, ends_at_checkpoint, max_staleness=None):
-        from rlep_megatron.rollout.requests import EngineRequests
-
         self.engine, self.cfg = engine, cfg
         self.max_staleness = (cfg.trainer.max_staleness if max_staleness is None
                               else max_staleness)
         self.ends_at_checkpoint = ends_at_checkpoint
-        self.requests = EngineRequests(engine, cfg.rollout)
+        self.requests = engine.requests(cfg.rollout)
         self.batches: dict[int, list[int]] = {}  # step -> rows of its batch, submitted
         self.paused = False
 
@@ -91,7 +92,7 @@ class AheadScheduler:
                 self._submit(side, ahead)
         self.requests.run_until(lambda: self.requests.finished(step))
         rows = self.batches.pop(step)
-        local = self.requests.take(step, self.engine.llm.get_tokenizer())
+        local = self.requests.take(step, self.engine.get_tokenizer())
         return rows, self.engine._all_gather(local, len(rows))
 
     def pause(self) -> None:
@@ -99,9 +100,18 @@ class AheadScheduler:
         self.requests.pause(self.cfg.rollout.carry_over)
         self.paused = True
 
+    def resume(self, version: int) -> None:
+        """Right after the weights became ``version`` (separate placement: the servers go on
+        at once, also while the trainer validates or saves)."""
+        if self.paused:
+            self.requests.resume(version)
+            self.paused = False
+
     def tail_metrics(self) -> dict[str, float]:
         """Since the last call: the share of engine time spent with at most a quarter of the
         largest number of requests running (the long tail), and the engine steps taken."""
+        if hasattr(self.requests, "idle_metrics"):  # rollout servers
+            return self.requests.idle_metrics()
         log, self.requests.step_log = self.requests.step_log, []
         if not log:
             return {}

@@ -1,0 +1,279 @@
+"""``rlep_gloo``: a weight-transfer backend for vLLM's start / update / finish lifecycle over a
+gloo group (host memory, TCP), for rollout engines without NCCL: vLLM's CPU build, or a server
+on other hosts without a GPU interconnect.
+
+vLLM (0.32) loads it through its plugin entry point (``vllm.general_plugins``: :func:`register`,
+declared in setup.py), so a stock ``vllm serve ... --weight-transfer-config
+'{"backend": "rlep_gloo"}'`` accepts it. The control plane is vLLM's own (the HTTP routes
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``); the data plane is one gloo broadcast per bucket from the sending
+trainer rank (group rank 0) to every worker of the server (TP ranks each take the full tensors
+and keep their slice, as in a colocated sync).
+
+Worker side (:class:`GlooWeightTransferEngine`): ``start`` begins vLLM's layer-wise reload (the
+CPU MoE experts re-processed as at load), each ``update`` receives one flat byte buffer and
+loads its tensors, ``finish`` finalises the reload and repacks a tied CPU LM head: the steps of
+:meth:`~rlep_megatron.rollout.worker_ext.RolloutWorkerExtension.rlep_reload_weights`.
+
+Trainer side (:class:`GlooTrainerWeightTransferEngine`): opens the group's TCP store, has the
+server join through the client while it joins itself, then streams ``(hf_name, tensor)`` pairs
+in buckets of at most ``bucket_bytes``.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Optional
+
+import torch
+
+BACKEND = "rlep_gloo"
+_PREFIX = "rlep-weights"
+
+
+def register() -> None:
+    """vLLM general plugin: register both sides of ``rlep_gloo`` with vLLM's factories (called
+    in every vLLM process; a second call is a no-op)."""
+    from vllm.distributed.weight_transfer.factory import (WeightTransferEngineFactory,
+                                                          WeightTransferTrainerFactory)
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__,
+                                                    "GlooWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, __name__,
+                                                     "GlooTrainerWeightTransferEngine")
+
+
+def _gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float,
+                is_master: bool):
+    """A gloo process group of ``world_size`` members outside torch.distributed's default
+    group (the trainer's world and the server's are separate)."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(address, port, world_size=world_size, is_master=is_master,
+                     timeout=timeout, wait_for_workers=False)
+    return ProcessGroupGloo(PrefixStore(_PREFIX, store), rank, world_size, timeout), store
+
+
+def _byte_views(buffer: torch.Tensor, dtype_names, shapes) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for dtype_name, shape in zip(dtype_names, shapes):
+        dtype = getattr(torch, dtype_name)
+        size = math.prod(shape) * dtype.itemsize
+        views.append(buffer[offset:offset + size].view(dtype).view(tuple(shape)))
+        offset += size
+    if offset != buffer.numel():
+        raise RuntimeError(f"weight bucket of {buffer.numel()} bytes, its tensors take {offset}")
+    return views
+
+
+try:  # the vLLM side exists only where vLLM is installed
+    from vllm.distributed.weight_transfer.base import (TrainerInitInfo,
+                                                       TrainerWeightTransferEngine,
+                                                       WeightTransferEngine,
+                                                       WeightTransferInitInfo,
+                                                       WeightTransferUpdateInfo)
+except ImportError:  # pragma: no cover - vLLM is a dependency of every install
+    WeightTransferEngine = TrainerWeightTransferEngine = None  # type: ignore[assignment]
+
+if WeightTransferEngine is not None:
+
+    @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        """Where the group meets: the trainer's TCP store, the ranks of this server's workers
+        (``rank_offset`` + the worker's rank) and the group's size."""
+
+        master_address: str
+        master_port: int
+        rank_offset: int
+        world_size: int
+        timeout_s: float = 300.0
+
+    @dataclass
+    class GlooUpdateInfo(WeightTransferUpdateInfo):
+        """One bucket: its tensors' names, dtypes and shapes, in the order of its bytes."""
+
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+
+        def __post_init__(self):
+            if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+                raise ValueError("names, dtype_names and shapes of a bucket differ in length")
+
+    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+        """The server side of ``rlep_gloo`` (see the module docstring)."""
+
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, config, vllm_config, device, model):
+            super().__init__(config, vllm_config, device, model)
+            self.group = None
+            self._store = None
+
+        def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+            pc = self.parallel_config
+            rank = (init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank)
+            self.group, self._store = _gloo_group(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                init_info.timeout_s, is_master=False)
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            from rlep_megatron import platform
+
+            platform.process_cpu_moe_experts_on_reload()
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # vLLM's default ends with torch.accelerator.synchronize(): nothing to wait for on
+            # the host, and a GPU copy below is synchronised where it happens
+            self.receive_weights(self.parse_update_info(update_info))
+
+        def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            if self.group is None:
+                raise RuntimeError("rlep_gloo weight transfer used before "
+                                   "/init_weight_transfer_engine")
+            nbytes = sum(math.prod(s) * getattr(torch, d).itemsize
+                         for d, s in zip(update_info.dtype_names, update_info.shapes))
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.group.broadcast(buffer, 0).wait()
+            if self.device.type != "cpu":
+                buffer = buffer.to(self.device)
+            tensors = _byte_views(buffer, update_info.dtype_names, update_info.shapes)
+            self.model.load_weights(list(zip(update_info.names, tensors)))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            from rlep_megatron import platform
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+            platform.refresh_vllm_cpu_embedding_kernels(self.model, tied)
+
+        def shutdown(self) -> None:
+            self.group, self._store = None, None
+
+    @dataclass
+    class GlooTrainerInitInfo(TrainerInitInfo):
+        """The trainer's end: where its store listens and how many workers the server has."""
+
+        backend: ClassVar[str] = BACKEND
+
+        master_address: str = "127.0.0.1"
+        master_port: int = 0
+        num_workers: int = 1
+        timeout_s: float = 300.0
+        bucket_bytes: int = 512 * 1024 * 1024
+
+    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+        """The trainer side of ``rlep_gloo``: the sending rank (group rank 0) streams; other
+        trainer ranks only walk the source, whose gathers are their collectives."""
+
+        init_info_cls = GlooTrainerInitInfo
+
+        def __init__(self, *, client, source=None, is_sender=True, info=None):
+            super().__init__(client=client, source=source, is_sender=is_sender)
+            self.info = info
+            self.group = None
+            self._store = None
+
+        @classmethod
+        def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+            self = cls(client=client, source=source, is_sender=init_info.is_sender,
+                       info=init_info)
+            if not self.is_sender:
+                return self
+            world = 1 + init_info.num_workers
+            errors: list[BaseException] = []
+
+            def server_joins():
+                try:
+                    client.init_weight_transfer_engine({
+                        "master_address": init_info.master_address,
+                        "master_port": init_info.master_port, "rank_offset": 1,
+                        "world_size": world, "timeout_s": init_info.timeout_s})
+                except BaseException as err:  # reported below, after the join
+                    errors.append(err)
+
+            # the store and group rendezvous block until the server's workers join: the
+            # request that makes them join runs meanwhile
+            joiner = threading.Thread(target=server_joins, daemon=True)
+            joiner.start()
+            try:
+                self.group, self._store = _gloo_group(
+                    init_info.master_address, init_info.master_port, 0, world,
+                    init_info.timeout_s, is_master=True)
+            finally:
+                joiner.join(init_info.timeout_s)
+            if errors:
+                raise RuntimeError(f"the rollout server refused the rlep_gloo weight transfer: "
+                                   f"{errors[0]}") from errors[0]
+            return self
+
+        def send_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+                         version: Optional[str] = None) -> dict[str, float]:
+            """Stream ``weights`` (default: the source) through one start / update... / finish
+            round; ``version`` labels the new weights on the server. Returns the tensors and
+            bytes sent."""
+            weights = self.source if weights is None else weights
+            count = {"tensors": 0, "bytes": 0}
+            if self.is_sender:
+                self.client.start_weight_update()
+            bucket: list[tuple[str, torch.Tensor]] = []
+            size = 0
+            for name, tensor in weights:
+                count["tensors"] += 1
+                count["bytes"] += tensor.numel() * tensor.element_size()
+                if not self.is_sender:
+                    continue
+                nbytes = tensor.numel() * tensor.element_size()
+                if bucket and size + nbytes > self.info.bucket_bytes:
+                    self._send_bucket(bucket)
+                    bucket, size = [], 0
+                bucket.append((name, tensor))
+                size += nbytes
+            if self.is_sender:
+                if bucket:
+                    self._send_bucket(bucket)
+                self.client.finish_weight_update(version)
+            return count
+
+        def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+            flat = torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8).cpu()
+                              for _, t in bucket])
+            meta = {"names": [n for n, _ in bucket],
+                    "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket]}
+            errors: list[BaseException] = []
+
+            def server_receives():
+                try:
+                    self.client.update_weights(meta)
+                except BaseException as err:
+                    errors.append(err)
+
+            # the server's workers enter the broadcast inside the request
+            receiver = threading.Thread(target=server_receives, daemon=True)
+            receiver.start()
+            self.group.broadcast(flat, 0).wait()
+            receiver.join(self.info.timeout_s)
+            if errors:
+                raise RuntimeError(f"the rollout server failed to load a weight bucket: "
+                                   f"{errors[0]}") from errors[0]
+            if receiver.is_alive():
+                raise TimeoutError(f"the rollout server did not confirm a weight bucket within "
+                                   f"{self.info.timeout_s:.0f} s")
+
+        def shutdown(self) -> None:
+            self.group, self._store = None, None

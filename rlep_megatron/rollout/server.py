@@ -1,0 +1,811 @@
+"""Rollout on vLLM servers (``rollout.placement: separate``): stock ``vllm serve`` processes,
+started by the job's rollout ranks or by the user (``rollout.server_urls``), driven over HTTP.
+
+- Generation is token in / token out (vLLM's ``/inference/v1/generate``): the prompt goes as
+  token ids and the response comes back as token ids with each token's log-prob, so no
+  detokenise / re-tokenise round trip changes a sample. Each response is one request with
+  its own seed (``request_seed(...) + j``, as the colocated engine seeds the j-th sample), so
+  with the same weights a server samples what the colocated engine samples.
+- Weights go through vLLM's weight-transfer lifecycle (``/start_weight_update``,
+  ``/update_weights`` per bucket, ``/finish_weight_update`` with the policy version as the
+  server's weight version): the HF tensors of :class:`~rlep_megatron.weight_sync.WeightStreamer`
+  over vLLM's ``nccl`` engine on GPU, or ``rlep_gloo`` (:mod:`rlep_megatron.rollout.gloo_transfer`)
+  on the host.
+- Around each update, ``/pause`` and ``/resume``: ``rollout.carry_over`` ``resume`` or
+  ``restart`` abort the requests in flight (their tokens so far come back and are kept, or
+  dropped) and submit them again after the update; ``keep`` freezes them on the server, and
+  they continue under the new weights with the KV cache they had. Every token is tagged with
+  the version that sampled it: from the server's weight-version spans where it gives them,
+  else from the version the request was submitted under.
+- Failure: a server that stops answering for ``rollout.server_timeout_s`` ends the trainer
+  with an error naming it (a watchdog checks ``/health`` also while the trainer trains); a
+  failed request fails the step that waits for it.
+
+One trainer rank (global rank 0) drives the servers and sends the weights; the responses reach
+the other trainer ranks through the same gather as the colocated engine's replicas use.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import itertools
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from rlep_megatron.rollout.engine import Response, _decode_response, request_seed
+from rlep_megatron.rollout.requests import Pending, continuation_seed
+
+logger = logging.getLogger(__name__)
+
+HEALTH_INTERVAL_S = 2.0
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server failed, refused a request or stopped answering."""
+
+
+# ---------------------------------------------------------------------- launching a server
+
+
+def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
+                    dtype: str = "auto", seed: int = 0, max_model_len: int = 4096,
+                    cuda: Optional[bool] = None) -> list[str]:
+    """The ``vllm serve`` arguments a rollout server needs (``rollout`` config ``cfg``): the
+    token-in/out route (``--enable-scale-out``), the weight-transfer backend, the processed
+    log-probs the actor compares with, and on the CPU build the settings of the colocated
+    engine (:func:`~rlep_megatron.platform.vllm_cpu_engine_settings`). Also needs
+    ``VLLM_SERVER_DEV_MODE=1`` in its environment (:func:`serve_environment`)."""
+    from rlep_megatron import platform
+
+    cuda = platform.cuda_available() if cuda is None else cuda
+    backend = "nccl" if cuda else "rlep_gloo"
+    args = ["--model", model_dir, "--host", host, "--port", str(port), "--dtype", dtype,
+            "--seed", str(seed), "--max-model-len", str(max_model_len),
+            "--tensor-parallel-size", str(cfg.tensor_model_parallel_size),
+            "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+            "--weight-transfer-config", json.dumps({"backend": backend}),
+            "--load-format", "dummy", "--disable-uvicorn-access-log"]
+    if cuda:
+        args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    else:
+        args += ["--enforce-eager", "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens", str(max(max_model_len, 8192))]
+    return args
+
+
+def serve_environment(threads: Optional[int] = None) -> dict[str, str]:
+    """The environment of a rollout server: its weight-update and pause routes on
+    (``VLLM_SERVER_DEV_MODE``), no hub, the CPU build's KV cache size, ``threads`` CPU
+    threads."""
+    env = dict(os.environ)
+    env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        env.pop(name, None)  # the server is no member of the job's process group
+    return env
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """In the server's process before it starts: end it when the process that started it
+    ends, even by SIGKILL (Linux's parent-death signal)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    os.setsid()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class LocalServer:
+    """A ``vllm serve`` process started here (a rollout rank's, or a test's), which ends with
+    this process."""
+
+    def __init__(self, model_dir: str, cfg, *, host: str = "127.0.0.1",
+                 advertise: Optional[str] = None, port: Optional[int] = None,
+                 log_path: Optional[str] = None, threads: Optional[int] = None, **kwargs):
+        self.port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
+        self.url = f"http://{advertise or host}:{self.port}"
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                   *serve_arguments(model_dir, cfg, port=self.port, host=host, **kwargs)]
+        self.log_path = log_path
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.process = subprocess.Popen(command, env=serve_environment(threads),
+                                        stdout=self._log, stderr=subprocess.STDOUT,
+                                        preexec_fn=_die_with_parent)
+
+    def log_tail(self, lines: int = 15) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float = 600.0) -> str:
+        """Block until the server answers ``/health``; an error with its log's tail if it
+        exits first or takes longer than ``timeout_s``."""
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RolloutServerError(f"the rollout server {self.url} exited with code {code} "
+                                         f"while starting:\n{self.log_tail()}")
+            with contextlib.suppress(requests.RequestException):
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self.url
+            time.sleep(0.5)
+        raise RolloutServerError(f"the rollout server {self.url} did not start within "
+                                 f"{timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+
+# ---------------------------------------------------------------------- the control plane
+
+
+class ServerClient:
+    """Blocking calls to one server's routes (vLLM's ``VLLMWeightSyncClient`` protocol among
+    them); every failure names the server."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, **kwargs):
+        import requests
+
+        try:
+            response = requests.request(method, f"{self.url}{path}",
+                                        timeout=kwargs.pop("timeout", self.timeout_s), **kwargs)
+        except requests.RequestException as err:
+            raise RolloutServerError(f"rollout server {self.url} did not answer {path}: "
+                                     f"{err}") from err
+        if response.status_code != 200:
+            raise RolloutServerError(f"rollout server {self.url} answered {path} with "
+                                     f"{response.status_code}: {response.text[:500]}")
+        return response.json() if response.content else None
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        import requests
+
+        try:
+            return requests.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def world_size(self) -> int:
+        return int(self._call("GET", "/get_world_size")["world_size"])
+
+    def pause(self, mode: str) -> None:
+        self._call("POST", "/pause", params={"mode": mode})
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache")
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._call("POST", "/start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self._call("POST", "/update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self._call("POST", "/finish_weight_update",
+                   json=None if weight_version is None else {"weight_version": weight_version})
+
+
+class FanOutClient:
+    """Several servers driven as one for the weight lifecycle (each call reaches every server
+    at once); the servers' workers get consecutive ranks of the transfer group after the
+    trainer's."""
+
+    def __init__(self, clients: list[ServerClient]):
+        self.clients = clients
+        self.workers = [c.world_size() for c in clients]
+
+    def _each(self, call: Callable[[ServerClient, int], None]) -> None:
+        errors: list[BaseException] = []
+
+        def run(index):
+            try:
+                call(self.clients[index], index)
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True)
+                   for i in range(len(self.clients))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        offsets = list(itertools.accumulate([1] + self.workers[:-1]))
+        self._each(lambda c, i: c.init_weight_transfer_engine(
+            {**init_info, "rank_offset": offsets[i]}))
+
+    def start_weight_update(self) -> None:
+        self._each(lambda c, i: c.start_weight_update())
+
+    def update_weights(self, update_info) -> None:
+        self._each(lambda c, i: c.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self._each(lambda c, i: c.finish_weight_update(weight_version))
+
+    def pause(self, mode: str) -> None:
+        self._each(lambda c, i: c.pause(mode))
+
+    def resume(self) -> None:
+        self._each(lambda c, i: c.resume())
+
+    def reset_prefix_cache(self) -> None:
+        self._each(lambda c, i: c.reset_prefix_cache())
+
+
+# ---------------------------------------------------------------------- generation requests
+
+
+class _Loop:
+    """An asyncio loop on a thread of its own: the HTTP requests in flight while the trainer
+    trains."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                       name="rlep-rollout-http")
+        self.thread.start()
+        self.session = self.run(self._session())
+
+    async def _session(self):
+        import aiohttp
+
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0))
+
+    def run(self, coroutine, timeout: Optional[float] = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def submit(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run(self.session.close(), timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class ServerRequests:
+    """:class:`~rlep_megatron.rollout.requests.EngineRequests`' interface for servers: this
+    trainer's fresh requests in flight, each its own HTTP request; their results arrive on a
+    queue that :meth:`run_until` drains."""
+
+    _ids = itertools.count()
+
+    def __init__(self, engine: "ServerEngine", cfg):
+        self.engine, self.cfg = engine, cfg
+        self.pending: dict[tuple[int, int, int], Pending] = {}
+        self.in_flight: dict[str, tuple[Pending, int]] = {}  # request id -> (item, server)
+        self.results: "queue.Queue" = queue.Queue()
+        self.version = 0
+        self.paused = False
+        self.step_log: list[tuple[int, float]] = []
+        self._frozen = False
+
+    # the engine's pieces shared with blocking generation
+    def _add(self, item: Pending, server: int) -> None:
+        left = self.cfg.max_response_tokens - len(item.token_ids)
+        seed = item.seed if not item.token_ids else continuation_seed(item.seed,
+                                                                      len(item.token_ids))
+        item.request_id = f"rlep-{os.getpid()}-{next(self._ids)}"
+        self.in_flight[item.request_id] = (item, server)
+        self.engine._post(server, item.request_id, item.prompt + item.token_ids, left, seed,
+                          self.version, self.results)
+
+    def submit(self, key: tuple[int, int, int], prompt: list[int], seed: int) -> None:
+        item = Pending(key, list(prompt), seed)
+        self.pending[key] = item
+        if not self.paused:
+            self._add(item, self.engine.server_of(key[1]))
+
+    def _apply(self, result) -> None:
+        request_id, outcome = result
+        entry = self.in_flight.pop(request_id, None)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        if entry is None:
+            return
+        item, _ = entry
+        token_ids, logprobs, spans, finish_reason = outcome
+        for version, start, end in spans:
+            item.add_tokens(token_ids[start:end], logprobs[start:end], version)
+        item.request_id = None
+        if finish_reason != "abort":
+            item.finish_reason = finish_reason or "length"
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Apply results as they arrive until ``done()``; a server that stops answering ends
+        the wait with an error (:meth:`ServerEngine.check_alive`)."""
+        while not done():
+            if not self.in_flight:
+                raise RuntimeError("no request is in flight on the rollout servers, yet a "
+                                   "batch waits for responses")
+            try:
+                result = self.results.get(timeout=HEALTH_INTERVAL_S)
+            except queue.Empty:
+                self.engine.check_alive()
+                continue
+            self._apply(result)
+
+    def _drain(self) -> None:
+        while self.in_flight:
+            try:
+                self._apply(self.results.get(timeout=HEALTH_INTERVAL_S))
+            except queue.Empty:
+                self.engine.check_alive()
+
+    def pause(self, carry_over: str) -> None:
+        """Before a weight update. ``resume`` / ``restart``: the servers abort the requests in
+        flight; their tokens so far arrive and are kept (``resume``) or dropped, and the
+        requests are submitted again at :meth:`resume`. ``keep``: the requests stay on the
+        servers, frozen until :meth:`resume`."""
+        keep = carry_over == "keep"
+        if keep:
+            self.engine.clients.pause("keep")
+            self._frozen = True
+        else:
+            self.engine.abort(list(self.in_flight))
+            self._drain()
+            if carry_over == "restart":
+                for item in self.pending.values():
+                    if item.finish_reason is None:
+                        item.token_ids, item.logprobs, item.versions = [], [], []
+        self.paused = True
+
+    def resume(self, version: int) -> None:
+        """After the weights became ``version``: the servers resume; requests that left come
+        back, in the order they were submitted."""
+        self.version, self.paused = version, False
+        if self._frozen:
+            self.engine.clients.resume()
+            self._frozen = False
+        for item in self.pending.values():
+            if item.finish_reason is None and item.request_id is None:
+                self._add(item, self.engine.server_of(item.key[1]))
+
+    def finished(self, step: int) -> bool:
+        return all(item.finish_reason is not None for key, item in self.pending.items()
+                   if key[0] == step)
+
+    def idle_metrics(self) -> dict[str, float]:
+        """``rollout/server_idle_frac``: the share of the time since the last call in which
+        no request of this trainer was running on the servers."""
+        return {"rollout/server_idle_frac": self.engine.idle_fraction()}
+
+    def take(self, step: int, tokenizer) -> list[list[Response]]:
+        keys = sorted(key for key in self.pending if key[0] == step)
+        groups: dict[int, list[Response]] = {}
+        for key in keys:
+            item = self.pending.pop(key)
+            stop = item.finish_reason == "stop"
+            text = _decode_response(tokenizer, item.prompt,
+                                    item.token_ids[:-1] if stop else item.token_ids)
+            groups.setdefault(key[1], []).append(
+                Response(key[1], item.token_ids, item.logprobs, text, item.finish_reason,
+                         versions=list(item.versions)))
+        return [groups[index] for index in sorted(groups)]
+
+
+# ---------------------------------------------------------------------- the engine
+
+
+def _parse_choice(choice: dict, submitted_version: int):
+    """``(token_ids, logprobs, spans, finish_reason)`` of a generate response's choice; spans
+    ``(version, start, end)`` from the server's weight versions (labels set by
+    :meth:`ServerEngine.load_weights`), else the version the request was submitted under."""
+    token_ids = list(choice.get("token_ids") or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    logprobs = [float(entry["logprob"]) for entry in content]
+    if len(logprobs) != len(token_ids) or any(
+            entry["token_id"] != token for entry, token in zip(content, token_ids)):
+        raise RolloutServerError("the rollout server's log-prob entries are not those of the "
+                                 "sampled tokens")
+    spans = []
+    for span in choice.get("weight_versions") or []:
+        label = str(span["version"])
+        version = int(label) if label.lstrip("-").isdigit() else submitted_version
+        spans.append((version, int(span["start"]), int(span["end"])))
+    if not spans or spans[-1][2] != len(token_ids) or spans[0][1] != 0:
+        spans = [(submitted_version, 0, len(token_ids))]
+    return token_ids, logprobs, spans, choice.get("finish_reason")
+
+
+class ServerEngine:
+    """The rollout engine interface (:class:`~rlep_megatron.rollout.engine.RolloutEngine`'s)
+    over vLLM servers at ``urls``. Global rank 0 talks to the servers; every rank of the
+    trainer gets the responses."""
+
+    routing_unavailable = ("the rollout runs on separate vLLM servers, which return no "
+                           "per-token routing to replay here")
+    capturing_routing = False
+    routing_source = None
+    sleep_enabled = False
+
+    def __init__(self, urls: list[str], model_dir: str, cfg, *, timeout_s: float = 60.0,
+                 watchdog: bool = True):
+        from vllm.tokenizers import get_tokenizer
+
+        from rlep_megatron import distributed
+
+        if not urls:
+            raise ValueError("rollout.placement=separate needs rollout servers: "
+                             "rollout.num_ranks > 0 or rollout.server_urls")
+        self.cfg, self.urls = cfg, [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self.rank = distributed.get_rank()
+        self.driver = self.rank == 0
+        multi = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self.gather_group = distributed.rollout_group(cfg.gather_timeout_minutes) if multi else None
+        self.tokenizer = get_tokenizer(model_dir)  # the tokenizer vLLM's engines use
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._stale_reason: Optional[str] = (
+            "the servers start with dummy weights and no weight sync has completed yet")
+        self.clients = None
+        self._loop = None
+        self._unhealthy_since: dict[str, float] = {}
+        self._failure: Optional[str] = None
+        self._closed = threading.Event()
+        self._active = 0                       # generate requests running (the loop's count)
+        self._idle_s, self._idle_since = 0.0, time.perf_counter()
+        self._window_start = time.perf_counter()
+        if self.driver:
+            servers = [ServerClient(u, timeout_s=max(300.0, timeout_s)) for u in self.urls]
+            for client in servers:
+                if not client.healthy(timeout_s):
+                    raise RolloutServerError(f"rollout server {client.url} does not answer "
+                                             f"/health")
+            self.clients = FanOutClient(servers)
+            self._loop = _Loop()
+            self.transfer = self._open_transfer()
+            if watchdog:
+                threading.Thread(target=self._watch, daemon=True,
+                                 name="rlep-rollout-watchdog").start()
+        logger.info("rollout: %d vLLM server(s) at %s", len(self.urls), ", ".join(self.urls))
+
+    def _open_transfer(self):
+        from rlep_megatron import platform
+        from rlep_megatron.rollout import gloo_transfer
+
+        gloo_transfer.register()
+        if platform.cuda_available():
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info = NCCLTrainerInitInfo(master_address=_advertised_address(self.urls[0]),
+                                       master_port=free_port("0.0.0.0"),
+                                       world_size=1 + sum(self.clients.workers), rank=0)
+        else:
+            info = gloo_transfer.GlooTrainerInitInfo(
+                master_address=_advertised_address(self.urls[0]), master_port=free_port("0.0.0.0"),
+                num_workers=sum(self.clients.workers), timeout_s=max(300.0, self.timeout_s),
+                bucket_bytes=self.cfg.weight_sync_bucket_bytes, rank=0)
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        return WeightTransferTrainerFactory.trainer_init(info, client=self.clients)
+
+    # ------------------------------------------------------------------ health
+
+    def _watch(self) -> None:
+        """While the job runs: a server that fails ``/health`` for ``timeout_s`` ends this
+        process with an error naming it (also while the trainer is busy training)."""
+        from rlep_megatron import distributed
+
+        while not self._closed.wait(HEALTH_INTERVAL_S):
+            try:
+                self.check_alive()
+            except RolloutServerError as err:
+                if self._closed.is_set():
+                    return
+                logger.error("%s; ending the job", err)
+                distributed.end_process(1)
+
+    def check_alive(self) -> None:
+        """Raise if a server has not answered ``/health`` for ``timeout_s``."""
+        if self._failure:
+            raise RolloutServerError(self._failure)
+        now = time.monotonic()
+        for client in self.clients.clients:
+            if client.healthy(min(5.0, self.timeout_s)):
+                self._unhealthy_since.pop(client.url, None)
+                continue
+            since = self._unhealthy_since.setdefault(client.url, now)
+            if now - since >= self.timeout_s:
+                self._failure = (f"rollout server {client.url} has not answered for "
+                                 f"{now - since:.0f} s (rollout.server_timeout_s="
+                                 f"{self.timeout_s:g}): it died or hangs")
+                raise RolloutServerError(self._failure)
+
+    # ------------------------------------------------------------------ generation
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def server_of(self, prompt_index: int) -> int:
+        """The server that samples a prompt (all its samples: they share its prefix)."""
+        return prompt_index % len(self.urls)
+
+    def share(self, prompts, n: int = 1, max_tokens: int = 0) -> range:
+        """Global rank 0 sends every request; the other trainer ranks receive the
+        responses."""
+        return range(len(prompts)) if self.driver else range(0)
+
+    def requests(self, cfg) -> ServerRequests:
+        return ServerRequests(self, cfg)
+
+    def check_ready(self) -> None:
+        from rlep_megatron.rollout.engine import StaleWeightsError
+
+        if self._stale_reason is not None:
+            raise StaleWeightsError(f"refusing to generate: the rollout servers' weights are "
+                                    f"stale because {self._stale_reason}. Run a complete "
+                                    f"weight sync first.")
+
+    def _post(self, server: int, request_id: str, token_ids: list[int], max_tokens: int,
+              seed: int, version: int, results: "queue.Queue", *, temperature=None,
+              top_p=None, top_k=None) -> None:
+        cfg = self.cfg
+        body = {"request_id": request_id, "token_ids": token_ids,
+                "sampling_params": {
+                    "max_tokens": max_tokens, "seed": seed, "logprobs": 0,
+                    "temperature": cfg.temperature if temperature is None else temperature,
+                    "top_p": cfg.top_p if top_p is None else top_p,
+                    "top_k": cfg.top_k if top_k is None else top_k,
+                    "detokenize": False}}
+        url = f"{self.urls[server]}/inference/v1/generate"
+
+        async def call():
+            self._busy(+1)
+            try:
+                async with self._loop.session.post(url, json=body) as response:
+                    payload = await response.json(content_type=None)
+                    if response.status != 200:
+                        raise RolloutServerError(
+                            f"rollout server {self.urls[server]} refused a generate request "
+                            f"({response.status}): {str(payload)[:500]}")
+                outcome = _parse_choice(payload["choices"][0], version)
+            except RolloutServerError as err:
+                outcome = err
+            except Exception as err:  # connection lost, malformed answer
+                outcome = RolloutServerError(f"rollout server {self.urls[server]} failed a "
+                                             f"generate request: {type(err).__name__}: {err}")
+            self._busy(-1)
+            results.put((request_id, outcome))
+
+        self._loop.submit(call())
+
+    def _busy(self, change: int) -> None:
+        """(On the loop's thread.) Count the running requests; time with none is idle."""
+        now = time.perf_counter()
+        if self._active == 0 and change > 0:
+            self._idle_s += now - self._idle_since
+        self._active += change
+        if self._active == 0:
+            self._idle_since = now
+
+    def idle_fraction(self) -> float:
+        """The share of the time since the last call with no request running."""
+        now = time.perf_counter()
+        idle = self._idle_s + (now - self._idle_since if self._active == 0 else 0.0)
+        window = now - self._window_start
+        self._idle_s, self._window_start = 0.0, now
+        if self._active == 0:
+            self._idle_since = now
+        return idle / window if window > 0 else 0.0
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort these requests on every server (each returns its tokens so far)."""
+        if request_ids:
+            for client in self.clients.clients:
+                client._call("POST", "/abort_requests", json={"request_ids": request_ids})
+
+    def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
+                 temperature: Optional[float] = None, top_p: Optional[float] = None,
+                 top_k: Optional[int] = None, max_tokens: Optional[int] = None,
+                 seed: int = 0, routing: bool = True, version: int = 0
+                 ) -> list[list[Response]]:
+        """Blocking: ``n`` responses per prompt, on every trainer rank (see
+        :meth:`RolloutEngine.generate`); tokens tagged with ``version``."""
+        self.check_ready()
+        cfg = self.cfg
+        n = cfg.num_samples_per_prompt if n is None else n
+        max_tokens = cfg.max_response_tokens if max_tokens is None else max_tokens
+        local: list[list[Response]] = []
+        if self.driver and prompts:
+            results: "queue.Queue" = queue.Queue()
+            keys = {}
+            for index in range(len(prompts)):
+                base = request_seed(seed, index, n)
+                for j in range(n):
+                    request_id = f"rlep-{os.getpid()}-{next(ServerRequests._ids)}"
+                    keys[request_id] = (index, j)
+                    self._post(self.server_of(index), request_id, list(prompts[index]),
+                               max_tokens, base + j, version, results,
+                               temperature=temperature, top_p=top_p, top_k=top_k)
+            outputs: dict[tuple[int, int], tuple] = {}
+            while len(outputs) < len(keys):
+                try:
+                    request_id, outcome = results.get(timeout=HEALTH_INTERVAL_S)
+                except queue.Empty:
+                    self.check_alive()
+                    continue
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                outputs[keys[request_id]] = outcome
+            for index in range(len(prompts)):
+                group = []
+                for j in range(n):
+                    token_ids, logprobs, spans, finish = outputs[(index, j)]
+                    finish = finish or "length"
+                    text = _decode_response(self.tokenizer, list(prompts[index]),
+                                            token_ids[:-1] if finish == "stop" else token_ids)
+                    group.append(Response(index, token_ids, logprobs, text, finish,
+                                          versions=[(v, e - s) for v, s, e in spans if e > s]))
+                local.append(group)
+        return self._all_gather(local, len(prompts))
+
+    def _all_gather(self, local: list[list[Response]], num_prompts: int
+                    ) -> list[list[Response]]:
+        if self.gather_group is None:
+            return local
+        from rlep_megatron import distributed
+
+        gathered = distributed.all_gather_object(local if self.driver else None,
+                                                 group=self.gather_group)
+        merged = [group for part in gathered if part is not None for group in part]
+        if len(merged) != num_prompts:
+            raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "
+                               f"expected {num_prompts}")
+        return merged
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def stale(self) -> bool:
+        return self._stale_reason is not None
+
+    def load_weights(self, weights, version: Optional[int] = None) -> dict[str, float]:
+        """One weight update of every server from ``(hf_name, full tensor)`` pairs (every
+        trainer rank walks the same stream: its gathers are collectives; rank 0 sends), the
+        servers' weight version set to ``version``, their prefix caches reset."""
+        self._stale_reason = "a weight sync was started and has not completed"
+        started = time.perf_counter()
+        if self.driver:
+            count = self.transfer.send_weights(
+                weights, None if version is None else str(version))
+            self.clients.reset_prefix_cache()
+        else:
+            count = {"tensors": 0, "bytes": 0}
+            for name, tensor in weights:
+                count["tensors"] += 1
+                count["bytes"] += tensor.numel() * tensor.element_size()
+        self._stale_reason = None
+        return {**count, "seconds": time.perf_counter() - started}
+
+    # ------------------------------------------------------------------ the colocated engine's
+    # memory hand-off has nothing to do here: the servers keep their devices
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def memory_state(self) -> str:
+        return "separate"
+
+    @contextlib.contextmanager
+    def released(self):
+        yield
+
+    def release(self) -> None:
+        """After a trainer failure, best effort: requests in flight are aborted and the
+        servers resumed, so that a server outliving the job is left usable."""
+        if self.clients is None:
+            return
+        self._closed.set()
+        for client in self.clients.clients:
+            with contextlib.suppress(Exception):
+                client._call("POST", "/abort_requests", json={}, timeout=5)
+                client._call("POST", "/resume", timeout=5)
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+
+def _advertised_address(url: str) -> str:
+    """This host's address as the server at ``url`` reaches it: ``RLEP_ADVERTISE_ADDR``, else
+    the address of the interface that routes to the server, else loopback."""
+    from urllib.parse import urlparse
+
+    explicit = os.environ.get("RLEP_ADVERTISE_ADDR")
+    if explicit:
+        return explicit
+    host = urlparse(url).hostname or "127.0.0.1"
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+    return "127.0.0.1"
+
+
+def serve_rollout_rank(cfg, index: int) -> None:
+    """A rollout rank of ``rollout.placement: separate`` (``rollout.num_ranks``): start a
+    vLLM server on this node, publish its URL to the job, and watch it until the trainers are
+    done. A server that exits early ends this rank with its exit code and log, which ends the
+    job (torchrun stops the other ranks)."""
+    from rlep_megatron import distributed
+    from rlep_megatron.models.megatron import resolve_dtype
+
+    rcfg = cfg.rollout
+    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+    log_path = os.path.join(cfg.trainer.output_dir, f"rollout_server_{index}.log")
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    advertise = os.environ.get("RLEP_ADVERTISE_ADDR") or _advertised_address(f"http://{master}")
+    threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS") else None
+    server = LocalServer(cfg.model.hf_dir, rcfg, host="0.0.0.0", advertise=advertise,
+                         log_path=log_path, threads=threads,
+                         dtype=str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1],
+                         seed=cfg.trainer.seed,
+                         max_model_len=cfg.data.max_prompt_tokens + rcfg.max_response_tokens)
+    try:
+        url = server.wait_ready()
+        logger.info("rollout rank %d: vLLM server %s ready (log: %s)", index, url, log_path)
+        distributed.publish_rollout_url(index, url)
+        store = distributed.job_store()
+        while not store.check([distributed.ROLLOUT_DONE_KEY]):
+            code = server.process.poll()
+            if code is not None:
+                raise RolloutServerError(f"rollout rank {index}: the vLLM server {url} exited "
+                                         f"with code {code}:\n{server.log_tail()}")
+            time.sleep(1.0)
+        logger.info("rollout rank %d: the trainers are done; stopping the server", index)
+    finally:
+        server.stop()

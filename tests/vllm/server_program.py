@@ -1,0 +1,155 @@
+"""Program: a Megatron actor (this process, one rank) and a stock ``vllm serve`` process (vLLM's
+CPU build, started here with dummy weights), connected as ``rollout.placement: separate``
+connects them: generation over the token-in/out route, weights through vLLM's weight-transfer
+lifecycle with the ``rlep_gloo`` backend.
+
+Checks, written to ``--out`` as JSON for the pytest side:
+
+1. parity: after a sync, the server's log-probs of its own samples against the actor's
+   recomputation (every token), twice with an optimizer step between the syncs (the second
+   sync must move the server's log-probs); the server samples what an in-process engine with
+   the same weights samples, given the same seeds;
+2. pause / resume with ``rollout.carry_over`` keep, resume and restart: long requests paused
+   midway around a weight update; their version spans and tokens;
+3. failure: the server killed (SIGKILL) while requests are in flight, and while none are: how
+   long until the trainer side raises, and the error.
+"""
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+
+from rlep_megatron import distributed
+from rlep_megatron.actor.model import build_from_hf
+from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
+from rlep_megatron.checkpoint.hf_io import load_hf_config
+from rlep_megatron.config import OptimConfig, ParallelConfig, RolloutConfig
+from rlep_megatron.models import layout_limits
+from rlep_megatron.rollout.parity import probe
+from rlep_megatron.rollout.server import LocalServer, RolloutServerError, ServerEngine
+from rlep_megatron.weight_sync import WeightStreamer, sync_weights
+from tests.vllm.rollout_sync_program import PAD, PROMPTS, chat, common_prefix_diffs, take_step
+
+
+def spans_check(engine, cfg, streamer, prompts, carry_over, version):
+    """Two long requests, paused after some tokens, the weights updated to ``version``, then
+    resumed: ``(versions, lengths, tokens before the pause kept)`` per request."""
+    requests = engine.requests(cfg)
+    requests.version = version - 1
+    for i in range(2):
+        requests.submit((0, i, 0), prompts[i], 1000 + i)
+    time.sleep(1.5)  # some tokens under version - 1
+    requests.pause(carry_over)
+    before = {k: list(item.token_ids) for k, item in requests.pending.items()}
+    sync_weights(engine, streamer, version)
+    requests.resume(version)
+    requests.run_until(lambda: requests.finished(0))
+    out = []
+    for key in sorted(requests.pending):
+        item = requests.pending[key]
+        out.append({"versions": item.versions, "length": len(item.token_ids),
+                    "kept_prefix": item.token_ids[:len(before[key])] == before[key],
+                    "tokens_before": len(before[key]),
+                    "logprobs": len(item.logprobs), "finish": item.finish_reason})
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--log", required=True)
+    args = parser.parse_args()
+    hf_config = load_hf_config(args.hf_dir)
+    distributed.init_process_group()
+    cfg = RolloutConfig(num_samples_per_prompt=2, max_response_tokens=20, temperature=1.0,
+                        weight_sync_bucket_bytes=96 * 1024)
+    server = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=512,
+                         log_path=args.log)
+    report = {}
+    try:
+        url = server.wait_ready(600)
+        engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
+        ctx = distributed.init_model_parallel(ParallelConfig(), seed=0,
+                                              **layout_limits(hf_config))
+        chunks, info = build_from_hf(args.hf_dir, "float32")
+        optim_cfg = OptimConfig(lr=2e-2, lr_warmup_steps=0, weight_decay=0.0, clip_grad=1.0)
+        chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
+        optimizer = build_optimizer(chunks, optim_cfg, info.params_dtype)
+        streamer = WeightStreamer(chunks, info, cfg.weight_sync_bucket_bytes)
+        prompts = [chat(p) for p in PROMPTS]
+
+        try:
+            engine.generate(prompts, seed=1)
+            report["dummy_refused"] = None
+        except RuntimeError as err:
+            report["dummy_refused"] = str(err)
+        report["sync0"] = sync_weights(engine, streamer, 0)
+        first = engine.generate(prompts, seed=11)
+        report["buckets"] = len(streamer.buckets)
+        report["parity_checkpoint"] = probe(chunks, info, prompts, first, PAD)
+        again = engine.generate(prompts, seed=11)
+        tokens = lambda rs: [[r.token_ids for r in g] for g in rs]  # noqa: E731
+        report["reproducible"] = tokens(first) == tokens(again)
+        report["first_tokens"] = tokens(first)
+        report["first_logprobs"] = [[r.logprobs for r in g] for g in first]
+        take_step(chunks, optimizer, info, ctx, prompts, first, seed=100)
+        report["sync1"] = sync_weights(engine, streamer, 1)
+        before = engine.generate(prompts, seed=21)
+        report["parity_before"] = probe(chunks, info, prompts, before, PAD)
+        take_step(chunks, optimizer, info, ctx, prompts, before, seed=200)
+        report["sync2"] = sync_weights(engine, streamer, 2)
+        after = engine.generate(prompts, seed=21)
+        report["parity_after"] = probe(chunks, info, prompts, after, PAD)
+        warm = engine.generate(prompts, seed=41, temperature=0.7)
+        report["parity_t07"] = probe(chunks, info, prompts, warm, PAD, temperature=0.7)
+        diffs = common_prefix_diffs(before, after)
+        report["moved_tokens"] = len(diffs)
+        report["moved_mean_abs"] = sum(diffs) / max(len(diffs), 1)
+
+        long_cfg = RolloutConfig(num_samples_per_prompt=1, max_response_tokens=400,
+                                 temperature=1.0)
+        engine.cfg = long_cfg  # long responses (ignore EOS is not needed: the budget is long)
+        report["spans"] = {}
+        for number, carry_over in enumerate(("keep", "resume", "restart")):
+            take_step(chunks, optimizer, info, ctx, prompts, after, seed=300 + number)
+            report["spans"][carry_over] = spans_check(engine, long_cfg, streamer, prompts,
+                                                      carry_over, 10 + number)
+        engine.cfg = cfg
+
+        # failure: killed with requests in flight
+        requests = engine.requests(long_cfg)
+        for i in range(2):
+            requests.submit((0, i, 0), prompts[i], 2000 + i)
+        time.sleep(0.5)
+        os.killpg(server.process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            requests.run_until(lambda: requests.finished(0))
+            report["killed_in_flight"] = None
+        except RolloutServerError as err:
+            report["killed_in_flight"] = {"error": str(err),
+                                          "seconds": time.monotonic() - killed}
+        # and with nothing in flight: the health check's timeout
+        engine._failure = None
+        try:
+            while True:
+                engine.check_alive()
+                time.sleep(0.5)
+        except RolloutServerError as err:
+            report["killed_idle"] = {"error": str(err), "seconds": time.monotonic() - killed}
+        report["url"] = url
+        engine.shutdown()
+    finally:
+        server.stop()
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
