@@ -391,8 +391,12 @@ class ServerRequests:
             self.engine.clients.pause("keep")
             self._frozen = True
         else:
-            self.engine.abort(list(self.in_flight))
+            # every request of this trainer's on the servers is aborted (vLLM gives the
+            # generate route's requests ids of its own, so not by id); their tokens so far come
+            # back, and the servers go on at once (validation may generate before the resume)
+            self.engine.clients.pause("abort")
             self._drain()
+            self.engine.clients.resume()
             if carry_over == "restart":
                 for item in self.pending.values():
                     if item.finish_reason is None:
@@ -467,6 +471,7 @@ class ServerEngine:
     capturing_routing = False
     routing_source = None
     sleep_enabled = False
+    extra_sampling: dict = {}  # more vLLM sampling parameters of every request (tests)
 
     def __init__(self, urls: list[str], model_dir: str, cfg, *, timeout_s: float = 60.0,
                  watchdog: bool = True):
@@ -596,7 +601,7 @@ class ServerEngine:
                     "temperature": cfg.temperature if temperature is None else temperature,
                     "top_p": cfg.top_p if top_p is None else top_p,
                     "top_k": cfg.top_k if top_k is None else top_k,
-                    "detokenize": False}}
+                    "detokenize": False, **self.extra_sampling}}
         url = f"{self.urls[server]}/inference/v1/generate"
 
         async def call():
@@ -637,12 +642,6 @@ class ServerEngine:
         if self._active == 0:
             self._idle_since = now
         return idle / window if window > 0 else 0.0
-
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort these requests on every server (each returns its tokens so far)."""
-        if request_ids:
-            for client in self.clients.clients:
-                client._call("POST", "/abort_requests", json={"request_ids": request_ids})
 
     def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,

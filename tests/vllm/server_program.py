@@ -39,9 +39,9 @@ def spans_check(engine, cfg, streamer, prompts, carry_over, version):
     resumed: ``(versions, lengths, tokens before the pause kept)`` per request."""
     requests = engine.requests(cfg)
     requests.version = version - 1
-    for i in range(2):
+    for i in range(4):
         requests.submit((0, i, 0), prompts[i], 1000 + i)
-    time.sleep(1.5)  # some tokens under version - 1
+    time.sleep(0.25)  # some tokens under version - 1, none of the requests done
     requests.pause(carry_over)
     before = {k: list(item.token_ids) for k, item in requests.pending.items()}
     sync_weights(engine, streamer, version)
@@ -110,15 +110,17 @@ def main():
         report["moved_tokens"] = len(diffs)
         report["moved_mean_abs"] = sum(diffs) / max(len(diffs), 1)
 
-        long_cfg = RolloutConfig(num_samples_per_prompt=1, max_response_tokens=400,
+        long_cfg = RolloutConfig(num_samples_per_prompt=1, max_response_tokens=480,
                                  temperature=1.0)
-        engine.cfg = long_cfg  # long responses (ignore EOS is not needed: the budget is long)
+        engine.cfg = long_cfg  # long responses: every one is generating at the pause
+        engine.extra_sampling = {"ignore_eos": True}
         report["spans"] = {}
         for number, carry_over in enumerate(("keep", "resume", "restart")):
             take_step(chunks, optimizer, info, ctx, prompts, after, seed=300 + number)
+            sync_weights(engine, streamer, 9 + 2 * number)
             report["spans"][carry_over] = spans_check(engine, long_cfg, streamer, prompts,
-                                                      carry_over, 10 + number)
-        engine.cfg = cfg
+                                                      carry_over, 10 + 2 * number)
+        engine.cfg, engine.extra_sampling = cfg, {}
 
         # failure: killed with requests in flight
         requests = engine.requests(long_cfg)

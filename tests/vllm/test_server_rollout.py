@@ -1,0 +1,81 @@
+"""Rollout on a stock ``vllm serve`` process (vLLM's CPU build, started by the test on
+localhost) driven as ``rollout.placement: separate`` drives it: after every weight sync through
+vLLM's weight-transfer lifecycle (``rlep_gloo``), the server's log-probs of its own samples
+equal the Megatron actor's recomputation (fp32, every token within 1e-5); pauses around an
+update keep, resume or restart the requests in flight with the version spans that say so; a
+server killed with SIGKILL fails the trainer side at once (requests in flight) or after
+``rollout.server_timeout_s`` (none in flight), naming the server."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import requires
+from tests.torchrun import REPO_ROOT, _env
+
+pytestmark = [pytest.mark.vllm]
+
+requires("vllm")
+
+PARITY_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, tiny_qwen2_dir):
+    tmp = tmp_path_factory.mktemp("server")
+    out, log = tmp / "report.json", tmp / "server.log"
+    proc = subprocess.run([sys.executable, "-m", "tests.vllm.server_program", "--hf-dir",
+                           tiny_qwen2_dir, "--out", str(out), "--log", str(log)],
+                          cwd=REPO_ROOT, env=_env(None), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_log_probs_equal_the_actors_after_every_sync(report):
+    assert "dummy weights" in report["dummy_refused"]
+    assert report["sync0"]["tensors"] == report["sync1"]["tensors"] > 0
+    assert report["buckets"] > 1
+    for key in ("parity_checkpoint", "parity_before", "parity_after", "parity_t07"):
+        assert report[key]["tokens"] > 50, key
+        assert report[key]["max"] <= PARITY_TOL, (key, report[key])
+    assert report["reproducible"]
+    # the optimizer step between two syncs moved the server's log-probs of the same tokens
+    assert report["moved_tokens"] > 0 and report["moved_mean_abs"] > 100 * PARITY_TOL
+
+
+def _split(entries):
+    """Requests paused midway (tokens under both versions) and the others."""
+    return [e for e in entries if len(e["versions"]) == 2]
+
+
+def test_keep_freezes_requests_and_the_server_labels_each_tokens_version(report):
+    entries = report["spans"]["keep"]
+    assert all(e["logprobs"] == e["length"] for e in entries)
+    both = _split(entries)
+    assert both, entries  # at least one request was generating when the weights changed
+    for e in both:
+        (old, a), (new, b) = e["versions"]
+        assert (old, new) == (9, 10) and a > 0 and b > 0 and a + b == e["length"]
+
+
+def test_resume_keeps_the_tokens_so_far_and_restart_drops_them(report):
+    resumed = report["spans"]["resume"]
+    both = _split(resumed)
+    assert both, resumed
+    for e in both:
+        (old, a), (new, b) = e["versions"]
+        assert (old, new) == (11, 12) and a == e["tokens_before"] > 0 and e["kept_prefix"]
+    for e in report["spans"]["restart"]:
+        # every token sampled again by the new weights
+        assert e["tokens_before"] == 0 and e["versions"] == [[14, e["length"]]], e
+
+
+def test_a_killed_server_fails_the_trainer_side_naming_it(report):
+    url = report["url"]
+    in_flight = report["killed_in_flight"]
+    assert in_flight and url in in_flight["error"] and in_flight["seconds"] < 10
+    idle = report["killed_idle"]
+    assert url in idle["error"] and "has not answered" in idle["error"]
+    assert 10 <= idle["seconds"] < 30  # rollout.server_timeout_s=10 in the program
