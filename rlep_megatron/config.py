@@ -168,8 +168,8 @@ class RolloutConfig:
     """``placement: separate``: how many ranks of the torchrun job run a vLLM server each
     (each with ``tensor_model_parallel_size`` GPUs of its node); the others train."""
     server_urls: list[str] = field(default_factory=list)
-    """``placement: separate``: running ``vllm serve`` servers to use instead of rollout ranks
-    (``rlep serve-args`` prints the flags they need)."""
+    """``placement: separate``: running vLLM servers to use instead of rollout ranks (the flags
+    they need: docs/ASYNC.md)."""
     server_timeout_s: float = 60.0
     """``placement: separate``: a server that does not answer its health check for this long
     ends the job with an error naming it."""

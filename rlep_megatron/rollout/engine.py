@@ -324,13 +324,6 @@ class RolloutEngine:
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
 
-    def requests(self, cfg):
-        """Requests driven one by one (:class:`~rlep_megatron.rollout.requests.EngineRequests`),
-        for the scheduler that generates ahead."""
-        from rlep_megatron.rollout.requests import EngineRequests
-
-        return EngineRequests(self, cfg)
-
     def check_ready(self) -> None:
         """Refuse to generate from stale or released weights; bring the KV cache back."""
         if self._stale_reason is not None:

@@ -71,16 +71,27 @@ def _byte_views(buffer: torch.Tensor, dtype_names, shapes) -> list[torch.Tensor]
     return views
 
 
-try:  # the vLLM side exists only where vLLM is installed
+_CLASSES: dict = {}
+_NAMES = ("GlooInitInfo", "GlooUpdateInfo", "GlooWeightTransferEngine", "GlooTrainerInitInfo",
+          "GlooTrainerWeightTransferEngine")
+
+
+def __getattr__(name: str):
+    """The classes subclass vLLM's, so they are built when first asked for (vLLM's factory
+    asks by name): importing this module does not import vLLM."""
+    if name not in _NAMES:
+        raise AttributeError(name)
+    if not _CLASSES:
+        _CLASSES.update(_build())
+    return _CLASSES[name]
+
+
+def _build() -> dict:
     from vllm.distributed.weight_transfer.base import (TrainerInitInfo,
                                                        TrainerWeightTransferEngine,
                                                        WeightTransferEngine,
                                                        WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
-except ImportError:  # pragma: no cover - vLLM is a dependency of every install
-    WeightTransferEngine = TrainerWeightTransferEngine = None  # type: ignore[assignment]
-
-if WeightTransferEngine is not None:
 
     @dataclass
     class GlooInitInfo(WeightTransferInitInfo):
@@ -277,3 +288,6 @@ if WeightTransferEngine is not None:
 
         def shutdown(self) -> None:
             self.group, self._store = None, None
+
+    scope = locals()
+    return {name: scope[name] for name in _NAMES}

@@ -56,7 +56,11 @@ class AheadScheduler:
         self.max_staleness = (cfg.trainer.max_staleness if max_staleness is None
                               else max_staleness)
         self.ends_at_checkpoint = ends_at_checkpoint
-        self.requests = engine.requests(cfg.rollout)
+        from rlep_megatron.rollout.requests import EngineRequests
+
+        # vLLM servers (separate placement) have requests of their own
+        make = getattr(engine, "requests", None)
+        self.requests = make(cfg.rollout) if make else EngineRequests(engine, cfg.rollout)
         self.batches: dict[int, list[int]] = {}  # step -> rows of its batch, submitted
         self.paused = False
 

@@ -230,7 +230,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
         val_rows=None, rollout=types.SimpleNamespace(next_batch=next_batch),
         scheduler=types.SimpleNamespace(pause=lambda: None, tail_metrics=dict),
         step_metrics=lambda b, t, o: {}, _log=lambda step, metrics: None)
-    cfg.rollout = types.SimpleNamespace(num_samples_per_prompt=1)
+    cfg.rollout = types.SimpleNamespace(num_samples_per_prompt=1, placement="colocated")
     cfg.trainer.mini_batch_size, cfg.trainer.mini_batch_unit = 1, "prompts"
     checkpoints.maybe_resume = lambda trainer: calls.append("resume?") or False
     trainer.run()  # built with the train state offloaded (so the engine could size its cache)
