@@ -146,7 +146,8 @@ def _cmd_init(args: argparse.Namespace) -> int:
 
     write_recipe(args.recipe, args.model, args.train, args.val, gpus=args.gpus_per_node,
                  nodes=args.nodes, pool=args.pool, output_dir=args.output_dir, force=args.force,
-                 reward_function=args.reward_function)
+                 reward_function=args.reward_function, rollout_nodes=args.rollout_nodes,
+                 rollout_servers=tuple(args.rollout_servers))
     return 0
 
 
@@ -232,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="reward.function of the recipe: your own reward for every row "
                              "(docs/data-and-rewards.md); default: the rules chosen by each "
                              "row's data_source")
+    p_init.add_argument("--rollout-nodes", type=int, default=0, metavar="M",
+                        help="M more nodes that only generate (rollout.placement=separate, "
+                             "one vLLM server per GPU), one step off; --nodes counts the "
+                             "training nodes")
+    p_init.add_argument("--rollout-servers", nargs="+", default=[], metavar="URL",
+                        help="generate on running vLLM servers instead (rollout.server_urls); "
+                             "prints the command to start them")
     p_init.add_argument("--force", action="store_true", help="replace an existing recipe file")
     p_init.set_defaults(func=_cmd_init)
     p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")

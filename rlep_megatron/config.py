@@ -221,6 +221,11 @@ class RolloutConfig:
         if self.num_ranks < 0 or self.server_timeout_s <= 0:
             raise ValueError("rollout.num_ranks must be >= 0 and rollout.server_timeout_s > 0")
         if self.placement == "separate":
+            if self.num_ranks and self.tensor_model_parallel_size != 1:
+                raise ValueError("rollout.num_ranks: each rollout rank serves on its own GPU "
+                                 "(rollout.tensor_model_parallel_size=1); start "
+                                 "tensor-parallel servers yourself and give "
+                                 "rollout.server_urls")
             if bool(self.num_ranks) == bool(self.server_urls):
                 raise ValueError("rollout.placement=separate needs either rollout.num_ranks "
                                  "(ranks of this job that start vLLM servers) or "

@@ -344,8 +344,17 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {mfu}")
     par = cfg.parallel
+    # rollout.placement=separate: the job's last rollout.num_ranks GPUs serve (one each), the
+    # rest train; servers given by URL are outside the job
+    separate = cfg.rollout.placement == "separate"
+    job_gpus = gpus
+    if separate:
+        if cfg.rollout.num_ranks >= gpus:
+            raise ValueError(f"rollout.num_ranks={cfg.rollout.num_ranks} leaves no training GPU "
+                             f"of {gpus}")
+        gpus -= cfg.rollout.num_ranks
     validate_parallel_layout(gpus, par, **layout_limits(hf_config))
-    if gpus % cfg.rollout.tensor_model_parallel_size:
+    if not separate and gpus % cfg.rollout.tensor_model_parallel_size:
         raise ValueError(f"rollout.tensor_model_parallel_size="
                          f"{cfg.rollout.tensor_model_parallel_size} does not divide {gpus} GPUs")
     gpu_bytes = gpu_mem_gib * GIB
@@ -386,11 +395,14 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float
         grads = grad_elements * grad_bytes
         params = (grad_elements if cfg.optim.use_distributed_optimizer else numel) * dtype_bytes
         ref = reference * numel * dtype_bytes
-        sleeping = 0.0 if cfg.rollout.enable_sleep_mode else rollout["budget"]
+        sleeping = (0.0 if cfg.rollout.enable_sleep_mode or separate
+                    else rollout["budget"])
         train_peak = (params + grads + optim + chosen + logits + ref + sleeping
                       + OVERHEAD_GIB * GIB)
         resident = params + ref + (0.0 if cfg.optim.offload_during_rollout else grads + optim)
-        rollout_peak = resident + rollout["budget"] + OVERHEAD_GIB * GIB
+        # separate: the rollout GPU holds the server alone (same for every stage)
+        rollout_peak = (rollout["budget"] if separate else resident + rollout["budget"]
+                        ) + OVERHEAD_GIB * GIB
         per_stage.append({
             "stage": index, "layers": counted.layers, "params": numel,
             "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim,
@@ -416,7 +428,11 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float
                                   "and Adam state while vLLM runs"
                                   if not cfg.optim.offload_during_rollout else ""))
     return {
-        "gpus": gpus, "gpu_mem_gib": gpu_mem_gib, "data_parallel_size": dp,
+        "gpus": job_gpus, "train_gpus": gpus, "placement": cfg.rollout.placement,
+        "rollout_gpus": (cfg.rollout.num_ranks if cfg.rollout.num_ranks
+                         else len(cfg.rollout.server_urls)
+                         * cfg.rollout.tensor_model_parallel_size) if separate else gpus,
+        "gpu_mem_gib": gpu_mem_gib, "data_parallel_size": dp,
         "total_params": total["total_params"], "active_params": total["active_params"],
         "experts": num_experts(hf_config),
         "params_per_gpu": max(s["params"] for s in per_stage),
@@ -542,11 +558,17 @@ def format_plan(result: dict) -> str:
             ("micro-batches in flight", lambda s: f"{s['in_flight_micro_batches']:g}"),
             ("logits step", lambda s: gib(s["logits_bytes"])),
             ("reference policy", lambda s: gib(s["reference_bytes"])),
-            ("TRAIN PEAK", lambda s: f"{s['train_peak_gib']:.1f}"),
-            ("ROLLOUT PEAK", lambda s: f"{s['rollout_peak_gib']:.1f}")]
+            ("TRAIN PEAK", lambda s: f"{s['train_peak_gib']:.1f}")]
+    separate = result.get("placement") == "separate"
+    if not separate:
+        rows.append(("ROLLOUT PEAK", lambda s: f"{s['rollout_peak_gib']:.1f}"))
     for label, cell in rows:
         lines.append(f"{label} | " + " | ".join(cell(s) for s in result["stages"]))
     r = result["rollout"]
+    if separate:
+        lines[0:1] = [lines[0], f"rollout.placement=separate: {result['train_gpus']} trainer "
+                      f"GPU(s) (the table), {result['rollout_gpus']} rollout GPU(s) "
+                      f"(vLLM alone, peak {result['peak_rollout_gib']:.1f} GiB each)"]
     lines += ["", f"vLLM per GPU: budget {gib(r['budget'])} = weights {gib(r['weights'])} + "
               f"workspace {result['assumptions']['vllm_workspace_gib']:g} + KV cache "
               f"{gib(r['kv_cache'])} ({r['kv_tokens']:.0f} tokens, "

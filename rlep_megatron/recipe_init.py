@@ -131,10 +131,54 @@ def torchrun_lines(recipe: str, gpus: int, nodes: int, job: str = "train") -> li
             f"-m rlep_megatron.cli {job} --config {recipe}" for rank in range(nodes)]
 
 
+def separate_rollout(raw: dict, gpus: int, rollout_nodes: int, servers: list[str]) -> list[str]:
+    """Generation on nodes of its own (``rollout_nodes``, every GPU a one-GPU vLLM server
+    started by the job) or on running servers (``servers``), one step off; returns notes."""
+    if rollout_nodes < 0 or (rollout_nodes and servers):
+        raise ValueError("give --rollout-nodes (nodes of the job that run vLLM servers) or "
+                         "--rollout-servers (running servers), not both")
+    if not rollout_nodes and not servers:
+        return []
+    rollout = raw["rollout"]
+    rollout["placement"] = "separate"
+    if rollout_nodes:
+        rollout["num_ranks"] = rollout_nodes * gpus
+        rollout["tensor_model_parallel_size"] = 1
+        where = f"{rollout_nodes} rollout node(s), {rollout_nodes * gpus} one-GPU vLLM servers"
+    else:
+        rollout["server_urls"] = list(servers)
+        where = f"{len(servers)} running vLLM server(s)"
+    raw["trainer"]["max_staleness"] = 1
+    if raw["algo"].get("rollout_correction", "off") == "off":
+        raw["algo"]["rollout_correction"] = "truncate"
+    raw["algo"]["dynamic_sampling"] = False
+    if raw["algo"].get("routing_replay") == "rollout":
+        raw["algo"]["routing_replay"] = "actor"
+    return [f"rollout.placement separate on {where}; trainer.max_staleness 1 with "
+            "algo.rollout_correction truncate (generation overlaps training); "
+            "algo.dynamic_sampling off"]
+
+
+def serve_command(raw: dict) -> str:
+    """The command a user starts each rollout server with (``--rollout-servers``)."""
+    from rlep_megatron.config import config_from_dict
+    from rlep_megatron.rollout.server import serve_arguments
+
+    cfg = config_from_dict(raw)
+    args = serve_arguments(cfg.model.hf_dir, cfg.rollout, port=8000, host="0.0.0.0",
+                           dtype="bfloat16", seed=cfg.trainer.seed,
+                           max_model_len=cfg.data.max_prompt_tokens
+                           + cfg.rollout.max_response_tokens, cuda=True)
+    quoted = " ".join(f"'{a}'" if "{" in a else a for a in args)
+    return ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server " + quoted)
+
+
 def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: list[str],
                  gpus: int = 1, nodes: int = 1, pool: str = "", output_dir: str = "",
-                 force: bool = False, reward_function: str = "") -> dict:
-    """Make, check (as ``rlep config`` does) and write the recipe; returns it."""
+                 force: bool = False, reward_function: str = "", rollout_nodes: int = 0,
+                 rollout_servers: tuple = ()) -> dict:
+    """Make, check (as ``rlep config`` does) and write the recipe; returns it. With
+    ``rollout_nodes`` the job has that many more nodes, which generate."""
     from rlep_megatron.checks import check_run_config
     from rlep_megatron.config import config_from_dict
 
@@ -144,6 +188,8 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
         raise ValueError("give at least one training file (--train)")
     raw, name, notes = make_recipe(model_dir, train_files, val_files, gpus, nodes, pool,
                                    output_dir, reward_function)
+    notes += separate_rollout(raw, gpus, rollout_nodes, list(rollout_servers))
+    training_nodes, nodes = nodes, nodes + rollout_nodes
     cfg = config_from_dict(raw)
     saved = os.environ.pop("WORLD_SIZE", None)  # checked for the recipe's own world size
     try:
@@ -152,7 +198,9 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
         if saved is not None:
             os.environ["WORLD_SIZE"] = saved
     header = [f"# Made by `rlep init` from examples/{name} for {gpus * nodes} GPU(s) "
-              f"({nodes} node(s) x {gpus}).",
+              f"({nodes} node(s) x {gpus}"
+              + (f"; nodes {training_nodes}..{nodes - 1} generate" if rollout_nodes else "")
+              + ").",
               "# Every key: docs/CONFIG.md (`rlep config --reference`). Check before launch: "
               f"`rlep config --config {path}`.",
               f"# Launch: {launch_command(path, gpus, nodes)}"]
@@ -174,4 +222,10 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
             print(f"  node {rank}: {line}" if nodes > 1 else f"  {line}")
         if len(shown) < len(lines):
             print(f"  node r = 2 .. {nodes - 1}: node 1's line with --node-rank r")
+    if rollout_nodes:
+        print(f"nodes {training_nodes} .. {nodes - 1} (the last {rollout_nodes}) start the vLLM "
+              "servers; the others train")
+    if rollout_servers:
+        print(f"start each rollout server first (one per URL in rollout.server_urls; its port "
+              f"in --port):\n  {serve_command(raw)}")
     return raw

@@ -278,6 +278,10 @@ class FanOutClient:
     def reset_prefix_cache(self) -> None:
         self._each(lambda c, i: c.reset_prefix_cache())
 
+    def update_weight_version(self, version: str) -> None:
+        self._each(lambda c, i: c._call("POST", "/update_weight_version",
+                                        json={"new_version": version}))
+
 
 # ---------------------------------------------------------------------- generation requests
 
@@ -419,9 +423,9 @@ class ServerRequests:
                    if key[0] == step)
 
     def idle_metrics(self) -> dict[str, float]:
-        """``rollout/server_idle_frac``: the share of the time since the last call in which
+        """``timing/server_idle_frac``: the share of the time since the last call in which
         no request of this trainer was running on the servers."""
-        return {"rollout/server_idle_frac": self.engine.idle_fraction()}
+        return {"timing/server_idle_frac": self.engine.idle_fraction()}
 
     def take(self, step: int, tokenizer) -> list[list[Response]]:
         keys = sorted(key for key in self.pending if key[0] == step)
@@ -494,6 +498,7 @@ class ServerEngine:
             "the servers start with dummy weights and no weight sync has completed yet")
         self.clients = None
         self._loop = None
+        self._source = None
         self._unhealthy_since: dict[str, float] = {}
         self._failure: Optional[str] = None
         self._closed = threading.Event()
@@ -515,23 +520,28 @@ class ServerEngine:
         logger.info("rollout: %d vLLM server(s) at %s", len(self.urls), ", ".join(self.urls))
 
     def _open_transfer(self):
+        """The trainer end of the weight transfer: vLLM's ``nccl`` engine on GPU (fed by
+        :class:`_StreamSource`; never run yet), ``rlep_gloo`` on the host."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
         from rlep_megatron import platform
         from rlep_megatron.rollout import gloo_transfer
 
         gloo_transfer.register()
+        address = _advertised_address(self.urls[0])
         if platform.cuda_available():
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            info = NCCLTrainerInitInfo(master_address=_advertised_address(self.urls[0]),
-                                       master_port=free_port("0.0.0.0"),
+            info = NCCLTrainerInitInfo(master_address=address, master_port=free_port("0.0.0.0"),
                                        world_size=1 + sum(self.clients.workers), rank=0)
-        else:
-            info = gloo_transfer.GlooTrainerInitInfo(
-                master_address=_advertised_address(self.urls[0]), master_port=free_port("0.0.0.0"),
-                num_workers=sum(self.clients.workers), timeout_s=max(300.0, self.timeout_s),
-                bucket_bytes=self.cfg.weight_sync_bucket_bytes, rank=0)
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
+            self._source = _stream_source()
+            return WeightTransferTrainerFactory.trainer_init(info, client=self.clients,
+                                                             source=self._source)
+        self._source = None
+        info = gloo_transfer.GlooTrainerInitInfo(
+            master_address=address, master_port=free_port("0.0.0.0"),
+            num_workers=sum(self.clients.workers), timeout_s=max(300.0, self.timeout_s),
+            bucket_bytes=self.cfg.weight_sync_bucket_bytes, rank=0)
         return WeightTransferTrainerFactory.trainer_init(info, client=self.clients)
 
     # ------------------------------------------------------------------ health
@@ -708,15 +718,40 @@ class ServerEngine:
     def stale(self) -> bool:
         return self._stale_reason is not None
 
+    def plan_weights(self, streamer) -> None:
+        """The names, dtypes and shapes of the weight stream, which vLLM's NCCL engine sends
+        ahead of the tensors."""
+        if getattr(self, "_source", None) is not None:
+            from rlep_megatron.weight_sync.streamer import _DTYPES
+
+            self._source.plan = [(o.name, _DTYPES[e.dtype], tuple(o.shape))
+                                 for b in streamer.buckets for e in b.entries
+                                 for o in e.all_outputs]
+
     def load_weights(self, weights, version: Optional[int] = None) -> dict[str, float]:
         """One weight update of every server from ``(hf_name, full tensor)`` pairs (every
         trainer rank walks the same stream: its gathers are collectives; rank 0 sends), the
         servers' weight version set to ``version``, their prefix caches reset."""
         self._stale_reason = "a weight sync was started and has not completed"
         started = time.perf_counter()
-        if self.driver:
-            count = self.transfer.send_weights(
-                weights, None if version is None else str(version))
+        label = None if version is None else str(version)
+        if self.driver and self._source is not None:  # vLLM's NCCL engine reads a source
+            count = {"tensors": 0, "bytes": 0}
+
+            def counted():
+                for name, tensor in weights:
+                    count["tensors"] += 1
+                    count["bytes"] += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+            self._source.pairs = counted()  # streamed: one bucket's tensors at a time
+            self.transfer.send_weights()
+            self._source.pairs = iter(())
+            if label is not None:
+                self.clients.update_weight_version(label)
+            self.clients.reset_prefix_cache()
+        elif self.driver:
+            count = self.transfer.send_weights(weights, label)
             self.clients.reset_prefix_cache()
         else:
             count = {"tensors": 0, "bytes": 0}
@@ -760,6 +795,27 @@ class ServerEngine:
             self._loop = None
 
 
+def _stream_source():
+    """A ``WeightSource`` for vLLM's NCCL trainer engine over the pairs of one sync (the
+    weight stream's tensors of this update, set as ``pairs`` before each send)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class _StreamSource(WeightSource):
+        pairs = iter(())
+        plan: list = []  # (name, dtype, shape) of every tensor, in stream order
+
+        def metadata(self):
+            if not self.plan:
+                raise RuntimeError("the weight stream's plan was not given "
+                                   "(ServerEngine.plan_weights)")
+            return [ParamMeta(name, dtype, shape) for name, dtype, shape in self.plan]
+
+        def __iter__(self):
+            return self.pairs
+
+    return _StreamSource()
+
+
 def _advertised_address(url: str) -> str:
     """This host's address as the server at ``url`` reaches it: ``RLEP_ADVERTISE_ADDR``, else
     the address of the interface that routes to the server, else loopback."""
@@ -789,6 +845,14 @@ def serve_rollout_rank(cfg, index: int) -> None:
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     advertise = os.environ.get("RLEP_ADVERTISE_ADDR") or _advertised_address(f"http://{master}")
     threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS") else None
+    from rlep_megatron import platform
+
+    if platform.cuda_available():  # the GPU of this rank's slot on its node
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in
+                                                       range(torch.cuda.device_count())]
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices[local]
     server = LocalServer(cfg.model.hf_dir, rcfg, host="0.0.0.0", advertise=advertise,
                          log_path=log_path, threads=threads,
                          dtype=str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1],

@@ -45,10 +45,19 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
-def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, tmp_path):
+SEPARATE = ("rollout.placement=separate", "rollout.num_ranks=1", "trainer.max_staleness=1")
+
+
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, tmp_path,
+                                                     placement):
+    """``separate``: node 0 trains, node 1 is the rollout node (its rank starts the vLLM
+    server, which node 0 reaches at node 1's address; the weights go the other way over
+    rlep_gloo)."""
     task = small_task(str(tmp_path / "task"))
+    extra = SEPARATE if placement == "separate" else ()
     args = lambda out: [*train_overrides(tiny_qwen2_dir, task, str(out), steps=2),  # noqa: E731
-                        "trainer.validation_interval_steps=1"]
+                        "trainer.validation_interval_steps=1", *extra]
     master = two_hosts[0][1]
     nodes = []
     for node_rank, (namespace, _, interface) in enumerate(two_hosts):
@@ -81,3 +90,7 @@ def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, t
         assert keys == {k for k in b if not k.startswith("timing/")}
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
     assert multi[2]["train/grad_norm"] > 0
+    if placement == "separate":
+        # the server ran on node 1, and the trainer on node 0 used it at node 1's address
+        assert f"vLLM server(s) at http://{two_hosts[1][1]}:" in outputs[0], outputs[0][-3000:]
+        assert (tmp_path / "nodes" / "rollout_server_0.log").exists()

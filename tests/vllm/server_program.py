@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import time
+import types
 
 import torch
 
@@ -29,7 +30,8 @@ from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.config import OptimConfig, ParallelConfig, RolloutConfig
 from rlep_megatron.models import layout_limits
 from rlep_megatron.rollout.parity import probe
-from rlep_megatron.rollout.server import LocalServer, RolloutServerError, ServerEngine
+from rlep_megatron.rollout.server import (LocalServer, RolloutServerError, ServerEngine,
+                                          _stream_source)
 from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 from tests.vllm.rollout_sync_program import PAD, PROMPTS, chat, common_prefix_diffs, take_step
 
@@ -81,6 +83,13 @@ def main():
         optimizer = build_optimizer(chunks, optim_cfg, info.params_dtype)
         streamer = WeightStreamer(chunks, info, cfg.weight_sync_bucket_bytes)
         prompts = [chat(p) for p in PROMPTS]
+        # the source vLLM's NCCL engine (GPU) would read: its declared metadata is the stream
+        source = _stream_source()
+        ServerEngine.plan_weights(types.SimpleNamespace(_source=source), streamer)
+        declared = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
+        streamed = [(n, str(t.dtype), list(t.shape)) for n, t in streamer.iter_tensors()]
+        report["nccl_source_metadata"] = {"equal": declared == streamed,
+                                          "tensors": len(declared)}
 
         try:
             engine.generate(prompts, seed=1)

@@ -41,6 +41,10 @@ def test_log_probs_equal_the_actors_after_every_sync(report):
         assert report[key]["tokens"] > 50, key
         assert report[key]["max"] <= PARITY_TOL, (key, report[key])
     assert report["reproducible"]
+    # on a GPU vLLM's NCCL engine declares the tensors before it sends them: the declaration
+    # made from the stream's plan is what the stream carries, in order
+    assert report["nccl_source_metadata"] == {"equal": True,
+                                              "tensors": report["sync0"]["tensors"]}
     # the optimizer step between two syncs moved the server's log-probs of the same tokens
     assert report["moved_tokens"] > 0 and report["moved_mean_abs"] > 100 * PARITY_TOL
 
