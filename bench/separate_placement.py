@@ -52,9 +52,13 @@ def run_arm(arm: str, overrides: list[str], out_dir: str, env: dict) -> None:
                    "trainer.max_staleness=1", "rollout.placement=separate",
                    "rollout.num_ranks=1"]
         env = dict(env, OMP_NUM_THREADS="1")
-    proc = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+    os.makedirs(out_dir, exist_ok=True)
+    log = os.path.join(out_dir, "run.log")
+    with open(log, "w") as f:
+        proc = subprocess.run(command, env=env, cwd=REPO_ROOT, stdout=f,
+                              stderr=subprocess.STDOUT)
     if proc.returncode:
-        raise SystemExit(f"{arm} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        raise SystemExit(f"{arm} failed ({proc.returncode}); its output: {log}")
 
 
 def summarise(arm: str, out_dir: str, group: int) -> dict:

@@ -300,8 +300,10 @@ class _Loop:
     async def _session(self):
         import aiohttp
 
+        # a connection per request: a pooled one the server closed while the trainer trained
+        # (its keep-alive timeout is seconds) fails the next request sent on it
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                     connector=aiohttp.TCPConnector(limit=0))
+                                     connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
     def run(self, coroutine, timeout: Optional[float] = None):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
