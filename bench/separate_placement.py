@@ -121,9 +121,11 @@ def sized_model(out_dir: str, hidden: int, layers: int) -> str:
     heads = max(4, hidden // 64)
     config.update({"hidden_size": hidden, "intermediate_size": 4 * hidden,
                    "num_hidden_layers": layers, "num_attention_heads": heads,
-                   "num_key_value_heads": max(1, heads // 4), "torch_dtype": "float32"})
+                   "num_key_value_heads": max(1, heads // 4), "head_dim": hidden // heads})
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [config.layer_types[0]] * layers
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -154,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--sizes", default="0x0,512x8,1024x16",
+    parser.add_argument("--sizes", default="0x0,512x8,1024x16,2048x24",
                         help="hidden x layers of each model of the weight-update table "
                              "(0x0: the tiny model)")
     parser.add_argument("--weights-only", action="store_true")

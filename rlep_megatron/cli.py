@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(the paper's protocol: (G + M) / G times the baseline's "
                              "optimizer steps), rlep_equal (replays, as many optimizer steps "
                              "as the baseline), online (online experience replay), "
-                             "one_step_off (the baseline with trainer.max_staleness=1)")
+                             "one_step_off (the baseline with trainer.max_staleness=1), "
+                             "separate (the same with a vLLM server of its own, one more "
+                             "process)")
     p_demo.add_argument("--prepare-only", action="store_true",
                         help="build the task and the warm-started model, then stop (for "
                              "running the phases by hand, docs/quickstart.md)")

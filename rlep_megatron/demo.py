@@ -11,8 +11,9 @@
    the questions with a pool, mini-batches counted in prompts x G as the paper, so (G + M) / G
    times the baseline's optimizer steps: 9 vs 8), optionally ``rlep_equal`` (the same with as
    many optimizer steps as the baseline), ``online`` (online experience replay from an
-   empty pool) and ``one_step_off`` (the baseline with ``trainer.max_staleness=1``: one step
-   off against synchronous, docs/ASYNC.md);
+   empty pool), ``one_step_off`` (the baseline with ``trainer.max_staleness=1``: one step
+   off against synchronous, docs/ASYNC.md) and ``separate`` (the same with generation on a
+   vLLM server of its own, one more process: ``rollout.placement=separate``);
 5. report every arm across seeds: validation mean@k and training accuracy curves as mean and
    spread (min..max over seeds), best and final validation accuracy with their spread, the
    optimizer steps per training step, the steps each arm needs to reach the baseline's best
@@ -355,7 +356,8 @@ def paired_table(paired: dict, k: int, label: str = "RLEP") -> str:
 
 
 ARM_LABELS = {"baseline": "baseline", "rlep": "RLEP", "rlep_equal": "RLEP equal-updates",
-              "online": "online replay", "one_step_off": "baseline one step off"}
+              "online": "online replay", "one_step_off": "baseline one step off",
+              "separate": "baseline one step off, separate rollout"}
 
 
 def arm_order(summary: dict) -> list[str]:
@@ -532,9 +534,11 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
             return
         recipe, extra = arm_settings(arm, recipes, pool, overrides)
         print(f"{arm} seed {seed}: training {steps} steps ...", flush=True)
+        # the separate arm's rollout rank comes on top of the training ranks
         seconds = _run(["train", "--config", recipe, *common, *extra, f"trainer.seed={seed}",
                         f"trainer.output_dir={directory}"],
-                       nproc, os.path.join(out_dir, f"{arm}_seed_{seed}.log"), threads)
+                       nproc + (arm == "separate"),
+                       os.path.join(out_dir, f"{arm}_seed_{seed}.log"), threads)
         print(f"{arm} seed {seed}: done in {seconds:.0f} s", flush=True)
 
     def each(arm_list: list[str]) -> list:
@@ -615,12 +619,16 @@ def arm_settings(arm: str, recipes: str, pool: str,
     ``online``: online experience replay (``replay.mode=online``) from an empty pool;
     ``one_step_off``: the baseline with the next step's prompts generating ahead
     (``trainer.max_staleness=1``, with the rollout correction it is meant to run with), so its
-    paired differences to the baseline are one step off against synchronous."""
+    paired differences to the baseline are one step off against synchronous; ``separate``:
+    the same with generation on a vLLM server of its own (``rollout.placement=separate``, one
+    more process), overlapping training."""
     if arm == "baseline":
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), []
-    if arm == "one_step_off":
+    if arm in ("one_step_off", "separate"):
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), [
-            "trainer.max_staleness=1", "algo.rollout_correction=truncate"]
+            "trainer.max_staleness=1", "algo.rollout_correction=truncate",
+            *(["rollout.placement=separate", "rollout.num_ranks=1"] if arm == "separate"
+              else [])]
     recipe = os.path.join(recipes, "tiny_cpu_rlep.yaml")
     if arm == "online":  # no offline pool: the run's own verified answers, as they appear
         return recipe, ["replay.pool_files=[]", "replay.mode=online"]
