@@ -73,7 +73,9 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
     if heads and heads % rollout_tp:
         problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
                         f"model's {heads} attention heads")
-    if "WORLD_SIZE" in os.environ and world % rollout_tp:  # under torchrun
+    # (separate placement: the servers' TP, not the trainers')
+    if ("WORLD_SIZE" in os.environ and world % rollout_tp  # under torchrun
+            and cfg.rollout.placement == "colocated"):
         problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "
                         f"world size {world}")
     positions = hf.get("max_position_embeddings")

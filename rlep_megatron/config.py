@@ -150,14 +150,16 @@ class RolloutConfig:
     """Release vLLM weights/KV cache during training (GPU only; skipped on CPU)."""
     weight_sync_bucket_bytes: int = 512 * 1024 * 1024
     """Bucket size of the Megatron -> vLLM weight stream."""
-    carry_over: Literal["resume", "restart", "keep"] = "resume"
+    carry_over: Literal["resume", "restart", "keep", "finish"] = "resume"
     """With ``trainer.max_staleness >= 1``, what becomes of a request still generating when the
     weights change. ``resume``: it leaves the engine and comes back with its tokens so far as
     part of its prompt, so the rest is sampled (and its KV cache recomputed) under the new
     weights; the tokens it had keep the version and log-prob that sampled them. ``restart``:
     its tokens are dropped and it starts over under the new weights (less stale data, more
-    generation). ``keep`` (``placement: separate`` only): it stays on the server, frozen during
-    the update, and goes on with the KV cache the old weights computed. docs/ASYNC.md."""
+    generation). ``placement: separate`` only: ``keep``, it stays on the server, frozen during
+    the update, and goes on with the KV cache the old weights computed; ``finish``, the update
+    waits until it has finished under the old weights (no response is cut by an update, so a
+    run is reproducible; the trainer waits for the tail). docs/ASYNC.md."""
     placement: Literal["colocated", "separate"] = "colocated"
     """``colocated``: a vLLM engine in every training process, taking turns with the actor on
     the same devices. ``separate``: generation on vLLM servers of their own (the last
@@ -165,8 +167,9 @@ class RolloutConfig:
     names running ones); with ``trainer.max_staleness >= 1`` they generate the next batch while
     the trainers train. docs/ASYNC.md."""
     num_ranks: int = 0
-    """``placement: separate``: how many ranks of the torchrun job run a vLLM server each
-    (each with ``tensor_model_parallel_size`` GPUs of its node); the others train."""
+    """``placement: separate``: how many ranks of the torchrun job (the last ones) run a vLLM
+    server each, on the GPU of their slot (``tensor_model_parallel_size`` 1); the others
+    train."""
     server_urls: list[str] = field(default_factory=list)
     """``placement: separate``: running vLLM servers to use instead of rollout ranks (the flags
     they need: docs/ASYNC.md)."""
@@ -212,8 +215,8 @@ class RolloutConfig:
         if self.weight_sync_bucket_bytes < 1:
             raise ValueError("rollout.weight_sync_bucket_bytes must be >= 1 (bytes per bucket "
                              f"of the weight stream), got {self.weight_sync_bucket_bytes}")
-        if self.carry_over not in ("resume", "restart", "keep"):
-            raise ValueError(f"rollout.carry_over must be resume, restart or keep, got "
+        if self.carry_over not in ("resume", "restart", "keep", "finish"):
+            raise ValueError(f"rollout.carry_over must be resume, restart, keep or finish, got "
                              f"{self.carry_over!r}")
         if self.placement not in ("colocated", "separate"):
             raise ValueError(f"rollout.placement must be colocated or separate, got "
@@ -231,9 +234,9 @@ class RolloutConfig:
                                  "(ranks of this job that start vLLM servers) or "
                                  "rollout.server_urls (running servers), not both and not "
                                  "neither")
-        elif self.num_ranks or self.server_urls or self.carry_over == "keep":
+        elif self.num_ranks or self.server_urls or self.carry_over in ("keep", "finish"):
             raise ValueError("rollout.num_ranks, rollout.server_urls and rollout.carry_over="
-                             "keep need rollout.placement=separate")
+                             "keep or finish need rollout.placement=separate")
 
 
 @dataclass(frozen=True)

@@ -116,8 +116,10 @@ def init_process_group(timeout_minutes: int = 30) -> platform.Platform:
     return plat
 
 
-_ROLLOUT_URL_KEY = "rlep/rollout_url/"
-ROLLOUT_DONE_KEY = "rlep/rollout_done"
+# per launch attempt (torchrun --max-restarts): a new attempt never reads the last one's keys
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+_ROLLOUT_URL_KEY = f"rlep/{_ATTEMPT}/rollout_url/"
+ROLLOUT_DONE_KEY = f"rlep/{_ATTEMPT}/rollout_done"
 
 
 def job_store(timeout_minutes: float = 15.0):

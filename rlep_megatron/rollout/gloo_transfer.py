@@ -59,6 +59,22 @@ def _gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: 
     return ProcessGroupGloo(PrefixStore(_PREFIX, store), rank, world_size, timeout), store
 
 
+def _wait(done, errors: list, timeout_s: float, what: str) -> None:
+    """Poll until ``done()``; the first error of a helper thread (the server's answer, which
+    names it) ends the wait at once, and so does ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if errors:
+            raise RuntimeError(f"{what} failed: {errors[0]}") from errors[0]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not complete within {timeout_s:.0f} s")
+        time.sleep(0.005)
+    if errors:
+        raise RuntimeError(f"{what} failed: {errors[0]}") from errors[0]
+
+
 def _byte_views(buffer: torch.Tensor, dtype_names, shapes) -> list[torch.Tensor]:
     views, offset = [], 0
     for dtype_name, shape in zip(dtype_names, shapes):
@@ -218,18 +234,23 @@ def _build() -> dict:
                     errors.append(err)
 
             # the store and group rendezvous block until the server's workers join: the
-            # request that makes them join runs meanwhile
-            joiner = threading.Thread(target=server_joins, daemon=True)
-            joiner.start()
-            try:
-                self.group, self._store = _gloo_group(
-                    init_info.master_address, init_info.master_port, 0, world,
-                    init_info.timeout_s, is_master=True)
-            finally:
-                joiner.join(init_info.timeout_s)
-            if errors:
-                raise RuntimeError(f"the rollout server refused the rlep_gloo weight transfer: "
-                                   f"{errors[0]}") from errors[0]
+            # request that makes them join runs meanwhile; a refusal ends the wait at once
+            joined: list = []
+
+            def trainer_joins():
+                try:
+                    joined.append(_gloo_group(init_info.master_address, init_info.master_port,
+                                              0, world, init_info.timeout_s, is_master=True))
+                except BaseException as err:
+                    errors.append(err)
+
+            threads = [threading.Thread(target=f, daemon=True)
+                       for f in (server_joins, trainer_joins)]
+            for thread in threads:
+                thread.start()
+            _wait(lambda: not any(t.is_alive() for t in threads), errors, init_info.timeout_s,
+                  "the rlep_gloo weight transfer's rendezvous with the rollout server")
+            self.group, self._store = joined[0]
             return self
 
         def send_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
@@ -277,14 +298,9 @@ def _build() -> dict:
             # the server's workers enter the broadcast inside the request
             receiver = threading.Thread(target=server_receives, daemon=True)
             receiver.start()
-            self.group.broadcast(flat, 0).wait()
-            receiver.join(self.info.timeout_s)
-            if errors:
-                raise RuntimeError(f"the rollout server failed to load a weight bucket: "
-                                   f"{errors[0]}") from errors[0]
-            if receiver.is_alive():
-                raise TimeoutError(f"the rollout server did not confirm a weight bucket within "
-                                   f"{self.info.timeout_s:.0f} s")
+            work = self.group.broadcast(flat, 0)
+            _wait(lambda: work.is_completed() and not receiver.is_alive(), errors,
+                  self.info.timeout_s, "a weight bucket's transfer to the rollout server")
 
         def shutdown(self) -> None:
             self.group, self._store = None, None

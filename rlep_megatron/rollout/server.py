@@ -50,6 +50,7 @@ from rlep_megatron.rollout.requests import Pending, continuation_seed
 logger = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 2.0
+MAX_CONNECTIONS_PER_SERVER = 512  # generate requests open at once (one connection each)
 
 
 class RolloutServerError(RuntimeError):
@@ -208,6 +209,10 @@ class ServerClient:
     def pause(self, mode: str) -> None:
         self._call("POST", "/pause", params={"mode": mode})
 
+    def abort_all(self) -> None:
+        """Abort every request the server holds, queued ones included."""
+        self._call("POST", "/abort_requests", json={})
+
     def resume(self) -> None:
         self._call("POST", "/resume")
 
@@ -272,6 +277,9 @@ class FanOutClient:
     def pause(self, mode: str) -> None:
         self._each(lambda c, i: c.pause(mode))
 
+    def abort_all(self) -> None:
+        self._each(lambda c, i: c.abort_all())
+
     def resume(self) -> None:
         self._each(lambda c, i: c.resume())
 
@@ -290,7 +298,8 @@ class _Loop:
     """An asyncio loop on a thread of its own: the HTTP requests in flight while the trainer
     trains."""
 
-    def __init__(self):
+    def __init__(self, max_connections: int):
+        self.max_connections = max_connections
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                        name="rlep-rollout-http")
@@ -301,9 +310,12 @@ class _Loop:
         import aiohttp
 
         # a connection per request: a pooled one the server closed while the trainer trained
-        # (its keep-alive timeout is seconds) fails the next request sent on it
+        # (its keep-alive timeout is seconds) fails the next request sent on it; at most
+        # max_connections at once (the rest wait here, not in the servers' queues)
+        self.slots = asyncio.Semaphore(self.max_connections)
         return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                     connector=aiohttp.TCPConnector(limit=0, force_close=True))
+                                     connector=aiohttp.TCPConnector(
+                                         limit=self.max_connections, force_close=True))
 
     def run(self, coroutine, timeout: Optional[float] = None):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
@@ -380,40 +392,57 @@ class ServerRequests:
                 continue
             self._apply(result)
 
-    def _drain(self) -> None:
+    def _drain(self, abort: bool) -> None:
+        """Until every request in flight has come back. ``abort``: a request that reached a
+        paused server after its abort waits in its queue; it is aborted again at each wait
+        (an abort of all: vLLM names the generate route's requests itself)."""
+        wait = max(self.engine.timeout_s, 60.0)
+        deadline = time.monotonic() + wait
         while self.in_flight:
             try:
                 self._apply(self.results.get(timeout=HEALTH_INTERVAL_S))
             except queue.Empty:
                 self.engine.check_alive()
+                if abort:
+                    self.engine.clients.abort_all()
+                if time.monotonic() > deadline:
+                    servers = sorted({self.engine.urls[s] for _, s in self.in_flight.values()})
+                    raise RolloutServerError(
+                        f"{len(self.in_flight)} request(s) did not come back from "
+                        f"{', '.join(servers)} within {wait:.0f} s of the weight update's "
+                        "pause")
 
     def pause(self, carry_over: str) -> None:
         """Before a weight update. ``resume`` / ``restart``: the servers abort the requests in
         flight; their tokens so far arrive and are kept (``resume``) or dropped, and the
         requests are submitted again at :meth:`resume`. ``keep``: the requests stay on the
-        servers, frozen until :meth:`resume`."""
-        keep = carry_over == "keep"
-        if keep:
+        servers, frozen until :meth:`resume`. ``finish``: the requests in flight finish under
+        the old weights first (nothing is cut by the update: reproducible, the update waits)."""
+        self.paused = True
+        self.engine.epoch += 1  # requests not sent yet stay here (the loop's gate)
+        if not self.engine.driver:
+            return
+        if carry_over == "finish":
+            self._drain(abort=False)
+        elif carry_over == "keep":
             self.engine.clients.pause("keep")
             self._frozen = True
         else:
-            # every request of this trainer's on the servers is aborted (vLLM gives the
-            # generate route's requests ids of its own, so not by id); their tokens so far come
-            # back, and the servers go on at once (validation may generate before the resume)
+            # every request on the servers is aborted; their tokens so far come back, and the
+            # servers go on at once (validation may generate before the resume)
             self.engine.clients.pause("abort")
-            self._drain()
+            self._drain(abort=True)
             self.engine.clients.resume()
             if carry_over == "restart":
                 for item in self.pending.values():
                     if item.finish_reason is None:
                         item.token_ids, item.logprobs, item.versions = [], [], []
-        self.paused = True
 
     def resume(self, version: int) -> None:
         """After the weights became ``version``: the servers resume; requests that left come
         back, in the order they were submitted."""
         self.version, self.paused = version, False
-        if self._frozen:
+        if self._frozen and self.engine.driver:
             self.engine.clients.resume()
             self._frozen = False
         for item in self.pending.values():
@@ -504,6 +533,8 @@ class ServerEngine:
         self._unhealthy_since: dict[str, float] = {}
         self._failure: Optional[str] = None
         self._closed = threading.Event()
+        self.epoch = 0  # weight updates begun: a request not sent before one is not sent
+        self._idle_lock = threading.Lock()
         self._active = 0                       # generate requests running (the loop's count)
         self._idle_s, self._idle_since = 0.0, time.perf_counter()
         self._window_start = time.perf_counter()
@@ -514,7 +545,10 @@ class ServerEngine:
                     raise RolloutServerError(f"rollout server {client.url} does not answer "
                                              f"/health")
             self.clients = FanOutClient(servers)
-            self._loop = _Loop()
+            # a job killed during an update may have left a server paused, or busy
+            self.clients.abort_all()
+            self.clients.resume()
+            self._loop = _Loop(MAX_CONNECTIONS_PER_SERVER * len(servers))
             self.transfer = self._open_transfer()
             if watchdog:
                 threading.Thread(target=self._watch, daemon=True,
@@ -613,19 +647,32 @@ class ServerEngine:
                     "temperature": cfg.temperature if temperature is None else temperature,
                     "top_p": cfg.top_p if top_p is None else top_p,
                     "top_k": cfg.top_k if top_k is None else top_k,
-                    "detokenize": False, **self.extra_sampling}}
+                    "detokenize": False, **self.extra_sampling},
+                # the prefix cache of one version serves that version only: blocks the old
+                # weights computed are never reused after an update (also where a reset is
+                # refused while frozen requests hold blocks)
+                "cache_salt": f"rlep-v{version}"}
         url = f"{self.urls[server]}/inference/v1/generate"
 
+        epoch = self.epoch
+
         async def call():
+            async with self._loop.slots:
+                if self.epoch != epoch:  # an update began before this request left: unsent
+                    results.put((request_id, ([], [], [], "abort")))
+                    return
+                await post()
+
+        async def post():
             self._busy(+1)
             try:
                 async with self._loop.session.post(url, json=body) as response:
-                    payload = await response.json(content_type=None)
+                    text = await response.text()
                     if response.status != 200:
                         raise RolloutServerError(
                             f"rollout server {self.urls[server]} refused a generate request "
-                            f"({response.status}): {str(payload)[:500]}")
-                outcome = _parse_choice(payload["choices"][0], version)
+                            f"({response.status}): {text[:500]}")
+                outcome = _parse_choice(json.loads(text)["choices"][0], version)
             except RolloutServerError as err:
                 outcome = err
             except Exception as err:  # connection lost, malformed answer
@@ -638,21 +685,23 @@ class ServerEngine:
 
     def _busy(self, change: int) -> None:
         """(On the loop's thread.) Count the running requests; time with none is idle."""
-        now = time.perf_counter()
-        if self._active == 0 and change > 0:
-            self._idle_s += now - self._idle_since
-        self._active += change
-        if self._active == 0:
-            self._idle_since = now
+        with self._idle_lock:
+            now = time.perf_counter()
+            if self._active == 0 and change > 0:
+                self._idle_s += now - self._idle_since
+            self._active += change
+            if self._active == 0:
+                self._idle_since = now
 
     def idle_fraction(self) -> float:
         """The share of the time since the last call with no request running."""
-        now = time.perf_counter()
-        idle = self._idle_s + (now - self._idle_since if self._active == 0 else 0.0)
-        window = now - self._window_start
-        self._idle_s, self._window_start = 0.0, now
-        if self._active == 0:
-            self._idle_since = now
+        with self._idle_lock:
+            now = time.perf_counter()
+            idle = self._idle_s + (now - self._idle_since if self._active == 0 else 0.0)
+            window = now - self._window_start
+            self._idle_s, self._window_start = 0.0, now
+            if self._active == 0:
+                self._idle_since = now
         return idle / window if window > 0 else 0.0
 
     def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
@@ -687,6 +736,10 @@ class ServerEngine:
                     continue
                 if isinstance(outcome, BaseException):
                     raise outcome
+                if outcome[3] == "abort":
+                    raise RolloutServerError(
+                        "the rollout server aborted a request of a blocking generate call "
+                        "(another client paused or aborted it: a server serves one job)")
                 outputs[keys[request_id]] = outcome
             for index in range(len(prompts)):
                 group = []
@@ -792,6 +845,10 @@ class ServerEngine:
 
     def shutdown(self) -> None:
         self._closed.set()
+        if self.clients is not None:  # servers that outlive the job drop the transfer group
+            for client in self.clients.clients:
+                with contextlib.suppress(Exception):
+                    client._call("POST", "/shutdown_weight_transfer_engine", timeout=10)
         if self._loop is not None:
             self._loop.close()
             self._loop = None

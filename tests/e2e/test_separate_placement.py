@@ -1,7 +1,8 @@
 """``rollout.placement: separate`` end to end on CPU: 2 processes of one torchrun job, 1 trainer
 and 1 rollout rank (a stock vLLM server it starts), one step off. The run trains with the
 staleness pattern of the colocated one-step-off run; killed with SIGKILL between checkpoints and
-started again, it ends with the straight run's metrics and weights; and killing the rollout
+started again, it ends with the straight run's metrics and weights (``carry_over=finish``: no
+response is cut by an update, whose place would depend on timing); and killing the rollout
 rank's process ends the trainer within 60 s, with an error that names the rollout rank."""
 import os
 import re
@@ -24,6 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 requires("vllm")
 
 SEPARATE = ("trainer.max_staleness=1", "rollout.placement=separate", "rollout.num_ranks=1")
+# no request cut by an update: where a cut falls depends on timing (docs/ASYNC.md)
+EXACT = (*SEPARATE, "rollout.carry_over=finish")
 
 
 def launch(args):
@@ -53,7 +56,7 @@ def kill_all(proc):
 
 def test_killed_and_resumed_equals_the_straight_run(inputs, tmp_path):  # noqa: F811
     straight = tmp_path / "straight"
-    run_rlep(args_for(inputs, straight, 6, *SEPARATE), nproc=2)
+    run_rlep(args_for(inputs, straight, 6, *EXACT), nproc=2)
     entries = read_jsonl(straight / "metrics.jsonl")[1:]
     assert [e["rollout/staleness_max"] for e in entries] == [0, 1, 0, 1, 0, 1]
     # the current version's tokens: the server's log-probs are the actor's
@@ -61,7 +64,7 @@ def test_killed_and_resumed_equals_the_straight_run(inputs, tmp_path):  # noqa: 
     assert all(0.0 <= e["timing/server_idle_frac"] <= 1.0 for e in entries)
     assert (straight / "rollout_server_0.log").exists()
     killed = tmp_path / "killed"
-    args = args_for(inputs, killed, 6, *SEPARATE)
+    args = args_for(inputs, killed, 6, *EXACT)
     proc = launch(args)
     wait_for_step(proc, killed / "metrics.jsonl", 3)
     kill_all(proc)
@@ -102,3 +105,14 @@ def test_killing_the_rollout_rank_ends_the_trainer_naming_it(inputs, tmp_path): 
     assert re.search(r"exitcode\s*:\s*-9", cause), output[-3000:]
     steps = [e["step"] for e in read_jsonl(out / "metrics.jsonl")]
     assert steps and steps[-1] < 30
+
+
+def test_two_trainer_ranks_share_one_server(inputs, tmp_path):  # noqa: F811
+    """3 processes: 2 trainer ranks (data parallel) and 1 rollout rank. Only global rank 0
+    talks to the server; the other trainer gets the responses through the gather and takes
+    part in every pause and weight update without a server connection of its own."""
+    out = tmp_path / "run"
+    run_rlep(args_for(inputs, out, 4, *SEPARATE), nproc=3)
+    entries = read_jsonl(out / "metrics.jsonl")[1:]
+    assert [e["rollout/staleness_max"] for e in entries] == [0, 1, 0, 1]
+    assert all(e["rollout/logprob_abs_diff/current"] <= 1e-4 for e in entries)

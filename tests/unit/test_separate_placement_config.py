@@ -1,0 +1,101 @@
+"""``rollout.placement: separate`` before anything runs: the config's rules, `rlep plan`'s split
+of trainer and rollout GPUs (checked against the colocated plan of the same recipe and a
+re-derivation of the vLLM budget), `rlep init --rollout-nodes / --rollout-servers`, and the
+version spans read from a server's generate response."""
+import json
+import os
+
+import pytest
+
+from rlep_megatron import config as config_lib
+
+pytestmark = pytest.mark.unit
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.placement=separate"], "either rollout.num_ranks"),
+    (["rollout.placement=separate", "rollout.num_ranks=1",
+      "rollout.server_urls=[http://a:1]"], "not both"),
+    (["rollout.num_ranks=1"], "need rollout.placement=separate"),
+    (["rollout.carry_over=keep"], "need rollout.placement=separate"),
+    (["rollout.placement=separate", "rollout.num_ranks=1",
+      "rollout.tensor_model_parallel_size=2"], "its own GPU"),
+    (["rollout.placement=separate", "rollout.num_ranks=1", "algo.routing_replay=rollout"],
+     "returns no routing"),
+    (["rollout.placement=elsewhere"], "not one of"),
+])
+def test_bad_separate_settings_are_refused_with_the_fix(overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        config_lib.load_config(os.path.join(EXAMPLES, "tiny_cpu_baseline.yaml"), overrides)
+
+
+def test_plan_splits_trainer_and_rollout_gpus():
+    from rlep_megatron import plan
+
+    recipe = os.path.join(EXAMPLES, "qwen3_8b_rlep.yaml")
+    with open(os.path.join(EXAMPLES, "model_shapes", "qwen3-8b.json")) as f:
+        hf_config = json.load(f)
+    colocated = plan.plan(config_lib.load_config(recipe, ["rollout.tensor_model_parallel_size=1"]),
+                          hf_config, 16)
+    cfg = config_lib.load_config(recipe, ["rollout.placement=separate", "rollout.num_ranks=4",
+                                          "rollout.tensor_model_parallel_size=1"])
+    separate = plan.plan(cfg, hf_config, 16)
+    assert (separate["gpus"], separate["train_gpus"], separate["rollout_gpus"]) == (16, 12, 4)
+    # a rollout GPU holds vLLM alone: its budget of the card plus the per-GPU overhead
+    budget = cfg.rollout.gpu_memory_utilization * separate["gpu_mem_gib"]
+    assert separate["peak_rollout_gib"] == pytest.approx(budget + plan.OVERHEAD_GIB)
+    # colocated, the rollout-time peak adds the actor's resident state to the same budget
+    assert separate["peak_rollout_gib"] < colocated["peak_rollout_gib"]
+    # without sleep mode a colocated engine also sits through training; a separate one never
+    awake = ["rollout.enable_sleep_mode=false", "rollout.tensor_model_parallel_size=1"]
+    colocated_awake = plan.plan(config_lib.load_config(recipe, awake), hf_config, 12)
+    separate_awake = plan.plan(config_lib.load_config(
+        recipe, [*awake, "rollout.placement=separate", "rollout.num_ranks=4"]), hf_config, 16)
+    assert separate_awake["peak_train_gib"] == pytest.approx(
+        colocated_awake["peak_train_gib"] - budget)
+    assert "12 trainer GPU(s)" in plan.format_plan(separate)
+    with pytest.raises(ValueError, match="leaves no training GPU"):
+        plan.plan(cfg, hf_config, 4)
+
+
+def test_init_writes_rollout_nodes_and_servers(tmp_path, tiny_qwen2_dir, capsys):
+    from rlep_megatron.recipe_init import write_recipe
+
+    train = str(tmp_path / "train.parquet")
+    open(train, "w").close()
+    raw = write_recipe(str(tmp_path / "a.yaml"), tiny_qwen2_dir, [train], [], gpus=8, nodes=2,
+                       rollout_nodes=1)
+    out = capsys.readouterr().out
+    assert raw["rollout"]["placement"] == "separate" and raw["rollout"]["num_ranks"] == 8
+    assert raw["trainer"]["max_staleness"] == 1
+    assert "--nnodes 3 --node-rank 2" in out  # the rollout node's own line
+    raw = write_recipe(str(tmp_path / "b.yaml"), tiny_qwen2_dir, [train], [], gpus=8, nodes=1,
+                       rollout_servers=("http://gen0:8000",))
+    out = capsys.readouterr().out
+    assert raw["rollout"]["server_urls"] == ["http://gen0:8000"]
+    assert "VLLM_SERVER_DEV_MODE=1" in out and "--enable-scale-out" in out
+    assert "--weight-transfer-config" in out
+    with pytest.raises(ValueError, match="not both"):
+        write_recipe(str(tmp_path / "c.yaml"), tiny_qwen2_dir, [train], [], gpus=8,
+                     rollout_nodes=1, rollout_servers=("http://gen0:8000",))
+
+
+def test_version_spans_of_a_generate_response():
+    from rlep_megatron.rollout.server import RolloutServerError, _parse_choice
+
+    choice = {"token_ids": [5, 6, 7], "finish_reason": "length",
+              "logprobs": {"content": [{"token_id": t, "logprob": -float(t)} for t in (5, 6, 7)]},
+              "weight_versions": [{"version": "3", "start": 0, "end": 2},
+                                  {"version": "4", "start": 2, "end": 3}]}
+    assert _parse_choice(choice, 9) == ([5, 6, 7], [-5.0, -6.0, -7.0],
+                                        [(3, 0, 2), (4, 2, 3)], "length")
+    # a server that labels nothing (or "default"): the version the request was sent under
+    choice["weight_versions"] = [{"version": "default", "start": 0, "end": 3}]
+    assert _parse_choice(choice, 9)[2] == [(9, 0, 3)]
+    del choice["weight_versions"]
+    assert _parse_choice(choice, 9)[2] == [(9, 0, 3)]
+    choice["logprobs"]["content"][1]["token_id"] = 99
+    with pytest.raises(RolloutServerError, match="not those of the sampled tokens"):
+        _parse_choice(choice, 9)
