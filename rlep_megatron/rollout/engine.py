@@ -387,13 +387,9 @@ class RolloutEngine:
         sender = self.rank % self.tp_size == 0
         if sender:
             hold_for_gather(local, self.rank)
-        gathered = distributed.all_gather_object(local if sender else None,
-                                                 group=self.gather_group)
-        merged = [group for part in gathered if part is not None for group in part]
-        if len(merged) != num_prompts:
-            raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "
-                               f"expected {num_prompts}")
-        return merged
+        return merge_gathered(distributed.all_gather_object(local if sender else None,
+                                                            group=self.gather_group),
+                              num_prompts)
 
     # ------------------------------------------------------------------ weights
 
@@ -478,6 +474,16 @@ class RolloutEngine:
             yield
         finally:
             self.wake_up()
+
+
+def merge_gathered(gathered: list, num_prompts: int) -> list[list[Response]]:
+    """Every sender's groups of responses, in rank order (``None``: a rank that sent none),
+    checked to be the ``num_prompts`` groups asked for."""
+    merged = [group for part in gathered if part is not None for group in part]
+    if len(merged) != num_prompts:
+        raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "
+                           f"expected {num_prompts}")
+    return merged
 
 
 _CONTEXT_TOKENS = 8

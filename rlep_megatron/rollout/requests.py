@@ -151,15 +151,20 @@ class EngineRequests:
                    if key[0] == step)
 
     def take(self, step: int, tokenizer) -> list[list[Response]]:
-        """The finished responses of batch ``step``, per prompt in order (removed from here)."""
-        keys = sorted(key for key in self.pending if key[0] == step)
-        groups: dict[int, list[Response]] = {}
-        for key in keys:
-            item = self.pending.pop(key)
-            stop = item.finish_reason == "stop"
-            text = _decode_response(tokenizer, item.prompt,
-                                    item.token_ids[:-1] if stop else item.token_ids)
-            groups.setdefault(key[1], []).append(
-                Response(key[1], item.token_ids, item.logprobs, text,
-                         item.finish_reason, versions=list(item.versions)))
-        return [groups[index] for index in sorted(groups)]
+        return take_finished(self.pending, step, tokenizer)
+
+
+def take_finished(pending: dict, step: int, tokenizer) -> list[list[Response]]:
+    """The finished responses of batch ``step`` in ``pending`` (keyed ``(step, prompt,
+    sample)``), per prompt in order, removed from it."""
+    keys = sorted(key for key in pending if key[0] == step)
+    groups: dict[int, list[Response]] = {}
+    for key in keys:
+        item = pending.pop(key)
+        stop = item.finish_reason == "stop"
+        text = _decode_response(tokenizer, item.prompt,
+                                item.token_ids[:-1] if stop else item.token_ids)
+        groups.setdefault(key[1], []).append(
+            Response(key[1], item.token_ids, item.logprobs, text,
+                     item.finish_reason, versions=list(item.versions)))
+    return [groups[index] for index in sorted(groups)]

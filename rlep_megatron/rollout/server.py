@@ -44,8 +44,9 @@ from typing import Callable, Optional
 
 import torch
 
-from rlep_megatron.rollout.engine import Response, _decode_response, request_seed
-from rlep_megatron.rollout.requests import Pending, continuation_seed
+from rlep_megatron.rollout.engine import (Response, _decode_response, merge_gathered,
+                                         request_seed)
+from rlep_megatron.rollout.requests import Pending, continuation_seed, take_finished
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +345,6 @@ class ServerRequests:
         self.results: "queue.Queue" = queue.Queue()
         self.version = 0
         self.paused = False
-        self.step_log: list[tuple[int, float]] = []
         self._frozen = False
 
     # the engine's pieces shared with blocking generation
@@ -459,17 +459,7 @@ class ServerRequests:
         return {"timing/server_idle_frac": self.engine.idle_fraction()}
 
     def take(self, step: int, tokenizer) -> list[list[Response]]:
-        keys = sorted(key for key in self.pending if key[0] == step)
-        groups: dict[int, list[Response]] = {}
-        for key in keys:
-            item = self.pending.pop(key)
-            stop = item.finish_reason == "stop"
-            text = _decode_response(tokenizer, item.prompt,
-                                    item.token_ids[:-1] if stop else item.token_ids)
-            groups.setdefault(key[1], []).append(
-                Response(key[1], item.token_ids, item.logprobs, text, item.finish_reason,
-                         versions=list(item.versions)))
-        return [groups[index] for index in sorted(groups)]
+        return take_finished(self.pending, step, tokenizer)
 
 
 # ---------------------------------------------------------------------- the engine
@@ -759,13 +749,8 @@ class ServerEngine:
             return local
         from rlep_megatron import distributed
 
-        gathered = distributed.all_gather_object(local if self.driver else None,
-                                                 group=self.gather_group)
-        merged = [group for part in gathered if part is not None for group in part]
-        if len(merged) != num_prompts:
-            raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "
-                               f"expected {num_prompts}")
-        return merged
+        return merge_gathered(distributed.all_gather_object(
+            local if self.driver else None, group=self.gather_group), num_prompts)
 
     # ------------------------------------------------------------------ weights
 

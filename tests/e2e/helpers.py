@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -89,3 +90,16 @@ def read_jsonl(path: str) -> list[dict]:
 
 def recipe(name: str) -> str:
     return os.path.join(REPO_ROOT, "examples", name)
+
+
+def kill_job(proc) -> None:
+    """SIGKILL a torchrun job started in a session of its own: every descendant (torchrun
+    starts each worker in a session of its own), then torchrun."""
+    import psutil
+
+    family = psutil.Process(proc.pid).children(recursive=True)
+    for process in family:
+        process.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(family, timeout=30)

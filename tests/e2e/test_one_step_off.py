@@ -1,18 +1,15 @@
 """``trainer.max_staleness >= 1`` end to end on CPU (RLEP with a pool, 2 ranks, two rollout
 replicas): the staleness every step reports stays within the bound and is really there, and a
 run killed with SIGKILL between two checkpoints resumes to exactly the straight run."""
-import os
-import signal
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from tests import requires
-from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool, run_rlep,
-                               small_task, train_overrides)
+from tests.e2e.helpers import (CONTRACT_KEYS, kill_job, read_jsonl, recipe, reference_pool,
+                               run_rlep, small_task, train_overrides)
 from tests.e2e.test_sync_equivalence import weights_digest
 from tests.torchrun import REPO_ROOT, _env
 
@@ -86,13 +83,7 @@ def test_a_run_killed_between_checkpoints_resumes_to_the_straight_run(inputs, tm
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
-    # torchrun starts each worker in a session of its own: every descendant, then torchrun
-    family = psutil.Process(proc.pid).children(recursive=True)
-    for process in family:
-        process.send_signal(signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(family, timeout=30)
+    kill_job(proc)
     assert not (killed / "checkpoints" / "step_00000004").exists()
     resumed = run_rlep(args, nproc=2)
     log = resumed.stdout + resumed.stderr

@@ -4,7 +4,6 @@ staleness pattern of the colocated one-step-off run; killed with SIGKILL between
 started again, it ends with the straight run's metrics and weights (``carry_over=finish``: no
 response is cut by an update, whose place would depend on timing); and killing the rollout
 rank's process ends the trainer within 60 s, with an error that names the rollout rank."""
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import psutil
 import pytest
 
 from tests import requires
-from tests.e2e.helpers import read_jsonl, run_rlep
+from tests.e2e.helpers import kill_job as kill_all, read_jsonl, run_rlep
 from tests.e2e.test_one_step_off import args_for, inputs  # noqa: F401 (fixture)
 from tests.e2e.test_sync_equivalence import weights_digest
 from tests.torchrun import REPO_ROOT, _env
@@ -43,15 +42,6 @@ def wait_for_step(proc, metrics, step, timeout_s=300):
             return
         time.sleep(0.05)
     raise AssertionError(f"the run ended or stalled before step {step}")
-
-
-def kill_all(proc):
-    family = psutil.Process(proc.pid).children(recursive=True)
-    for process in family:
-        process.send_signal(signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(family, timeout=30)
 
 
 def test_killed_and_resumed_equals_the_straight_run(inputs, tmp_path):  # noqa: F811
