@@ -36,15 +36,32 @@ from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 from tests.vllm.rollout_sync_program import PAD, PROMPTS, chat, common_prefix_diffs, take_step
 
 
+def generated_tokens(url: str) -> float:
+    """The server's count of tokens generated so far (its Prometheus ``/metrics``)."""
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def spans_check(engine, cfg, streamer, prompts, carry_over, version):
-    """Two long requests, paused after some tokens, the weights updated to ``version``, then
-    resumed: ``(versions, lengths, tokens before the pause kept)`` per request."""
+    """Four long requests, paused once the server has generated a few tokens of each, the
+    weights updated to ``version``, then resumed: per request its version spans, length,
+    tokens before the pause kept, and whether it had finished before the pause (a fast CPU
+    may finish one; it has nothing to carry over)."""
     requests = engine.requests(cfg)
     requests.version = version - 1
+    start = generated_tokens(engine.urls[0])
     for i in range(4):
         requests.submit((0, i, 0), prompts[i], 1000 + i)
-    time.sleep(0.6)  # some tokens under version - 1 (about 40%), none of the requests done
+    # pause on progress, not after a fixed time: the server's speed differs between CPUs
+    deadline = time.monotonic() + 30
+    while (generated_tokens(engine.urls[0]) - start < 4 * 16
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
     requests.pause(carry_over)
+    done = {k for k, item in requests.pending.items() if item.finish_reason is not None}
     before = {k: list(item.token_ids) for k, item in requests.pending.items()}
     sync_weights(engine, streamer, version)
     requests.resume(version)
@@ -54,7 +71,7 @@ def spans_check(engine, cfg, streamer, prompts, carry_over, version):
         item = requests.pending[key]
         out.append({"versions": item.versions, "length": len(item.token_ids),
                     "kept_prefix": item.token_ids[:len(before[key])] == before[key],
-                    "tokens_before": len(before[key]),
+                    "tokens_before": len(before[key]), "done_before": key in done,
                     "logprobs": len(item.logprobs), "finish": item.finish_reason})
     return out
 
@@ -134,9 +151,11 @@ def main():
         # failure: killed with requests in flight (long ones: none may finish before the kill)
         engine.extra_sampling = {"ignore_eos": True}
         requests = engine.requests(long_cfg)
+        start = generated_tokens(url)
         for i in range(2):
             requests.submit((0, i, 0), prompts[i], 2000 + i)
-        time.sleep(0.2)
+        while generated_tokens(url) - start < 2 * 8:  # generating, far from done
+            time.sleep(0.01)
         os.killpg(server.process.pid, signal.SIGKILL)
         killed = time.monotonic()
         try:

@@ -71,9 +71,14 @@ def test_resume_keeps_the_tokens_so_far_and_restart_drops_them(report):
     for e in both:
         (old, a), (new, b) = e["versions"]
         assert (old, new) == (11, 12) and a == e["tokens_before"] > 0 and e["kept_prefix"]
-    for e in report["spans"]["restart"]:
+    restarted = [e for e in report["spans"]["restart"] if not e["done_before"]]
+    assert restarted, report["spans"]["restart"]
+    for e in restarted:
         # every token sampled again by the new weights
         assert e["tokens_before"] == 0 and e["versions"] == [[14, e["length"]]], e
+    for e in report["spans"]["restart"]:
+        if e["done_before"]:  # finished before the pause: untouched, all under the old weights
+            assert e["versions"] == [[13, e["length"]]] and e["tokens_before"] == e["length"]
 
 
 def test_a_killed_server_fails_the_trainer_side_naming_it(report):
