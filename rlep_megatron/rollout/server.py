@@ -47,6 +47,8 @@ import torch
 from rlep_megatron.rollout.engine import (Response, _decode_response, merge_gathered,
                                          request_seed)
 from rlep_megatron.rollout.requests import Pending, continuation_seed, take_finished
+from rlep_megatron.rollout.server_weights import (ServerWeights, advertised_address,
+                                                  count_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -456,7 +458,7 @@ class ServerRequests:
     def idle_metrics(self) -> dict[str, float]:
         """``timing/server_idle_frac``: the share of the time since the last call in which
         no request of this trainer was running on the servers."""
-        return {"timing/server_idle_frac": self.engine.idle_fraction()}
+        return {"timing/server_idle_frac": self.engine.idle.fraction()}
 
     def take(self, step: int, tokenizer) -> list[list[Response]]:
         return take_finished(self.pending, step, tokenizer)
@@ -484,6 +486,80 @@ def _parse_choice(choice: dict, submitted_version: int):
     if not spans or spans[-1][2] != len(token_ids) or spans[0][1] != 0:
         spans = [(submitted_version, 0, len(token_ids))]
     return token_ids, logprobs, spans, choice.get("finish_reason")
+
+
+class ServerHealth:
+    """``/health`` of every server: one that has not answered for ``timeout_s`` is an error
+    naming it, raised by :meth:`check` (also from a watchdog thread while the trainer
+    trains)."""
+
+    def __init__(self, clients: list[ServerClient], timeout_s: float):
+        self.clients, self.timeout_s = clients, timeout_s
+        self.failure: Optional[str] = None
+        self._unhealthy_since: dict[str, float] = {}
+        self.closed = threading.Event()
+
+    def check(self) -> None:
+        if self.failure:
+            raise RolloutServerError(self.failure)
+        now = time.monotonic()
+        for client in self.clients:
+            if client.healthy(min(5.0, self.timeout_s)):
+                self._unhealthy_since.pop(client.url, None)
+                continue
+            since = self._unhealthy_since.setdefault(client.url, now)
+            if now - since >= self.timeout_s:
+                self.failure = (f"rollout server {client.url} has not answered for "
+                                f"{now - since:.0f} s (rollout.server_timeout_s="
+                                f"{self.timeout_s:g}): it died or hangs")
+                raise RolloutServerError(self.failure)
+
+    def start_watchdog(self) -> None:
+        """Until :attr:`closed`: a failed check ends this process with the error."""
+        from rlep_megatron import distributed
+
+        def watch():
+            while not self.closed.wait(HEALTH_INTERVAL_S):
+                try:
+                    self.check()
+                except RolloutServerError as err:
+                    if self.closed.is_set():
+                        return
+                    logger.error("%s; ending the job", err)
+                    distributed.end_process(1)
+
+        threading.Thread(target=watch, daemon=True, name="rlep-rollout-watchdog").start()
+
+
+class IdleClock:
+    """``timing/server_idle_frac``: the share of the time with no generate request of this
+    trainer running on the servers (requests counted on the HTTP loop's thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0
+        self._idle_s, self._idle_since = 0.0, time.perf_counter()
+        self._window_start = time.perf_counter()
+
+    def busy(self, change: int) -> None:
+        with self._lock:
+            now = time.perf_counter()
+            if self._active == 0 and change > 0:
+                self._idle_s += now - self._idle_since
+            self._active += change
+            if self._active == 0:
+                self._idle_since = now
+
+    def fraction(self) -> float:
+        """The idle share since the last call."""
+        with self._lock:
+            now = time.perf_counter()
+            idle = self._idle_s + (now - self._idle_since if self._active == 0 else 0.0)
+            window = now - self._window_start
+            self._idle_s, self._window_start = 0.0, now
+            if self._active == 0:
+                self._idle_since = now
+        return idle / window if window > 0 else 0.0
 
 
 class ServerEngine:
@@ -517,17 +593,9 @@ class ServerEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self._stale_reason: Optional[str] = (
             "the servers start with dummy weights and no weight sync has completed yet")
-        self.clients = None
-        self._loop = None
-        self._source = None
-        self._unhealthy_since: dict[str, float] = {}
-        self._failure: Optional[str] = None
-        self._closed = threading.Event()
+        self.clients = self.health = self.weights = self._loop = None
         self.epoch = 0  # weight updates begun: a request not sent before one is not sent
-        self._idle_lock = threading.Lock()
-        self._active = 0                       # generate requests running (the loop's count)
-        self._idle_s, self._idle_since = 0.0, time.perf_counter()
-        self._window_start = time.perf_counter()
+        self.idle = IdleClock()
         if self.driver:
             servers = [ServerClient(u, timeout_s=max(300.0, timeout_s)) for u in self.urls]
             for client in servers:
@@ -535,72 +603,22 @@ class ServerEngine:
                     raise RolloutServerError(f"rollout server {client.url} does not answer "
                                              f"/health")
             self.clients = FanOutClient(servers)
+            self.health = ServerHealth(servers, timeout_s)
             # a job killed during an update may have left a server paused, or busy
             self.clients.abort_all()
             self.clients.resume()
             self._loop = _Loop(MAX_CONNECTIONS_PER_SERVER * len(servers))
-            self.transfer = self._open_transfer()
+            self.weights = ServerWeights(self.clients, self.urls[0], port=free_port("0.0.0.0"),
+                                         timeout_s=timeout_s,
+                                         bucket_bytes=cfg.weight_sync_bucket_bytes)
             if watchdog:
-                threading.Thread(target=self._watch, daemon=True,
-                                 name="rlep-rollout-watchdog").start()
+                self.health.start_watchdog()
         logger.info("rollout: %d vLLM server(s) at %s", len(self.urls), ", ".join(self.urls))
-
-    def _open_transfer(self):
-        """The trainer end of the weight transfer: vLLM's ``nccl`` engine on GPU (fed by
-        :class:`_StreamSource`; never run yet), ``rlep_gloo`` on the host."""
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        from rlep_megatron import platform
-        from rlep_megatron.rollout import gloo_transfer
-
-        gloo_transfer.register()
-        address = _advertised_address(self.urls[0])
-        if platform.cuda_available():
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-            info = NCCLTrainerInitInfo(master_address=address, master_port=free_port("0.0.0.0"),
-                                       world_size=1 + sum(self.clients.workers), rank=0)
-            self._source = _stream_source()
-            return WeightTransferTrainerFactory.trainer_init(info, client=self.clients,
-                                                             source=self._source)
-        self._source = None
-        info = gloo_transfer.GlooTrainerInitInfo(
-            master_address=address, master_port=free_port("0.0.0.0"),
-            num_workers=sum(self.clients.workers), timeout_s=max(300.0, self.timeout_s),
-            bucket_bytes=self.cfg.weight_sync_bucket_bytes, rank=0)
-        return WeightTransferTrainerFactory.trainer_init(info, client=self.clients)
-
-    # ------------------------------------------------------------------ health
-
-    def _watch(self) -> None:
-        """While the job runs: a server that fails ``/health`` for ``timeout_s`` ends this
-        process with an error naming it (also while the trainer is busy training)."""
-        from rlep_megatron import distributed
-
-        while not self._closed.wait(HEALTH_INTERVAL_S):
-            try:
-                self.check_alive()
-            except RolloutServerError as err:
-                if self._closed.is_set():
-                    return
-                logger.error("%s; ending the job", err)
-                distributed.end_process(1)
 
     def check_alive(self) -> None:
         """Raise if a server has not answered ``/health`` for ``timeout_s``."""
-        if self._failure:
-            raise RolloutServerError(self._failure)
-        now = time.monotonic()
-        for client in self.clients.clients:
-            if client.healthy(min(5.0, self.timeout_s)):
-                self._unhealthy_since.pop(client.url, None)
-                continue
-            since = self._unhealthy_since.setdefault(client.url, now)
-            if now - since >= self.timeout_s:
-                self._failure = (f"rollout server {client.url} has not answered for "
-                                 f"{now - since:.0f} s (rollout.server_timeout_s="
-                                 f"{self.timeout_s:g}): it died or hangs")
-                raise RolloutServerError(self._failure)
+        if self.health is not None:
+            self.health.check()
 
     # ------------------------------------------------------------------ generation
 
@@ -654,7 +672,7 @@ class ServerEngine:
                 await post()
 
         async def post():
-            self._busy(+1)
+            self.idle.busy(+1)
             try:
                 async with self._loop.session.post(url, json=body) as response:
                     text = await response.text()
@@ -668,31 +686,10 @@ class ServerEngine:
             except Exception as err:  # connection lost, malformed answer
                 outcome = RolloutServerError(f"rollout server {self.urls[server]} failed a "
                                              f"generate request: {type(err).__name__}: {err}")
-            self._busy(-1)
+            self.idle.busy(-1)
             results.put((request_id, outcome))
 
         self._loop.submit(call())
-
-    def _busy(self, change: int) -> None:
-        """(On the loop's thread.) Count the running requests; time with none is idle."""
-        with self._idle_lock:
-            now = time.perf_counter()
-            if self._active == 0 and change > 0:
-                self._idle_s += now - self._idle_since
-            self._active += change
-            if self._active == 0:
-                self._idle_since = now
-
-    def idle_fraction(self) -> float:
-        """The share of the time since the last call with no request running."""
-        with self._idle_lock:
-            now = time.perf_counter()
-            idle = self._idle_s + (now - self._idle_since if self._active == 0 else 0.0)
-            window = now - self._window_start
-            self._idle_s, self._window_start = 0.0, now
-            if self._active == 0:
-                self._idle_since = now
-        return idle / window if window > 0 else 0.0
 
     def generate(self, prompts: list[list[int]], n: Optional[int] = None, *,
                  temperature: Optional[float] = None, top_p: Optional[float] = None,
@@ -759,14 +756,8 @@ class ServerEngine:
         return self._stale_reason is not None
 
     def plan_weights(self, streamer) -> None:
-        """The names, dtypes and shapes of the weight stream, which vLLM's NCCL engine sends
-        ahead of the tensors."""
-        if getattr(self, "_source", None) is not None:
-            from rlep_megatron.weight_sync.streamer import _DTYPES
-
-            self._source.plan = [(o.name, _DTYPES[e.dtype], tuple(o.shape))
-                                 for b in streamer.buckets for e in b.entries
-                                 for o in e.all_outputs]
+        if self.weights is not None:
+            self.weights.plan(streamer)
 
     def load_weights(self, weights, version: Optional[int] = None) -> dict[str, float]:
         """One weight update of every server from ``(hf_name, full tensor)`` pairs (every
@@ -774,30 +765,12 @@ class ServerEngine:
         servers' weight version set to ``version``, their prefix caches reset."""
         self._stale_reason = "a weight sync was started and has not completed"
         started = time.perf_counter()
-        label = None if version is None else str(version)
-        if self.driver and self._source is not None:  # vLLM's NCCL engine reads a source
-            count = {"tensors": 0, "bytes": 0}
-
-            def counted():
-                for name, tensor in weights:
-                    count["tensors"] += 1
-                    count["bytes"] += tensor.numel() * tensor.element_size()
-                    yield name, tensor
-
-            self._source.pairs = counted()  # streamed: one bucket's tensors at a time
-            self.transfer.send_weights()
-            self._source.pairs = iter(())
-            if label is not None:
-                self.clients.update_weight_version(label)
-            self.clients.reset_prefix_cache()
-        elif self.driver:
-            count = self.transfer.send_weights(weights, label)
-            self.clients.reset_prefix_cache()
+        if self.weights is not None:
+            count = self.weights.send(weights, None if version is None else str(version))
         else:
             count = {"tensors": 0, "bytes": 0}
-            for name, tensor in weights:
-                count["tensors"] += 1
-                count["bytes"] += tensor.numel() * tensor.element_size()
+            for _ in count_tensors(weights, count):
+                pass
         self._stale_reason = None
         return {**count, "seconds": time.perf_counter() - started}
 
@@ -822,57 +795,19 @@ class ServerEngine:
         servers resumed, so that a server outliving the job is left usable."""
         if self.clients is None:
             return
-        self._closed.set()
+        self.health.closed.set()
         for client in self.clients.clients:
             with contextlib.suppress(Exception):
                 client._call("POST", "/abort_requests", json={}, timeout=5)
                 client._call("POST", "/resume", timeout=5)
 
     def shutdown(self) -> None:
-        self._closed.set()
-        if self.clients is not None:  # servers that outlive the job drop the transfer group
-            for client in self.clients.clients:
-                with contextlib.suppress(Exception):
-                    client._call("POST", "/shutdown_weight_transfer_engine", timeout=10)
+        if self.clients is not None:
+            self.health.closed.set()
+            self.weights.close()
         if self._loop is not None:
             self._loop.close()
             self._loop = None
-
-
-def _stream_source():
-    """A ``WeightSource`` for vLLM's NCCL trainer engine over the pairs of one sync (the
-    weight stream's tensors of this update, set as ``pairs`` before each send)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
-    class _StreamSource(WeightSource):
-        pairs = iter(())
-        plan: list = []  # (name, dtype, shape) of every tensor, in stream order
-
-        def metadata(self):
-            if not self.plan:
-                raise RuntimeError("the weight stream's plan was not given "
-                                   "(ServerEngine.plan_weights)")
-            return [ParamMeta(name, dtype, shape) for name, dtype, shape in self.plan]
-
-        def __iter__(self):
-            return self.pairs
-
-    return _StreamSource()
-
-
-def _advertised_address(url: str) -> str:
-    """This host's address as the server at ``url`` reaches it: ``RLEP_ADVERTISE_ADDR``, else
-    the address of the interface that routes to the server, else loopback."""
-    from urllib.parse import urlparse
-
-    explicit = os.environ.get("RLEP_ADVERTISE_ADDR")
-    if explicit:
-        return explicit
-    host = urlparse(url).hostname or "127.0.0.1"
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
-    return "127.0.0.1"
 
 
 def serve_rollout_rank(cfg, index: int) -> None:
@@ -887,7 +822,7 @@ def serve_rollout_rank(cfg, index: int) -> None:
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     log_path = os.path.join(cfg.trainer.output_dir, f"rollout_server_{index}.log")
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    advertise = os.environ.get("RLEP_ADVERTISE_ADDR") or _advertised_address(f"http://{master}")
+    advertise = os.environ.get("RLEP_ADVERTISE_ADDR") or advertised_address(f"http://{master}")
     threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS") else None
     from rlep_megatron import platform
 

@@ -272,18 +272,19 @@ def transformers_qwen3_moe(tiny_dir: str, out: str) -> str:
     return out
 
 
-def test_a_transformers_made_moe_whose_experts_vllm_pads_trains_at_ep2(tiny_qwen3_moe_dir,
-                                                                       task, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1rank", "ep2"])
+def test_a_transformers_made_moe_whose_experts_vllm_pads_trains(tiny_qwen3_moe_dir, task,
+                                                               tmp_path, ranks):
     """The MoE of a user's own transformers checkpoint, with an expert intermediate size that
-    vLLM's CPU kernel pads (48 -> 64): 2 steps at EP2 on 2 ranks, the weight sync into the
-    engine in between; after it the engine's log-probs equal the actor's."""
+    vLLM's CPU kernel pads (48 -> 64): 2 steps on 1 rank, and at EP2 on 2 ranks, the weight
+    sync into the engine in between; after it the engine's log-probs equal the actor's."""
     model = transformers_qwen3_moe(tiny_qwen3_moe_dir, str(tmp_path / "model"))
     out = tmp_path / "run"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(model, task, str(out), steps=2), "replay.pool_files=[]",
               "replay.num_replays_per_prompt=0", "trainer.validation_interval_steps=0",
-              "checkpoint.save_interval_steps=0", "parallel.expert_model_parallel_size=2"],
-             nproc=2)
+              "checkpoint.save_interval_steps=0", f"parallel.expert_model_parallel_size={ranks}"],
+             nproc=ranks)
     steps = read_jsonl(out / "metrics.jsonl")
     assert [e["step"] for e in steps] == [1, 2]  # (no validation step 0)
     # step 2 generated with the weights synced after step 1

@@ -19,7 +19,6 @@ import json
 import os
 import signal
 import time
-import types
 
 import torch
 
@@ -30,8 +29,8 @@ from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.config import OptimConfig, ParallelConfig, RolloutConfig
 from rlep_megatron.models import layout_limits
 from rlep_megatron.rollout.parity import probe
-from rlep_megatron.rollout.server import (LocalServer, RolloutServerError, ServerEngine,
-                                          _stream_source)
+from rlep_megatron.rollout.server import LocalServer, RolloutServerError, ServerEngine
+from rlep_megatron.rollout.server_weights import plan_source, stream_source
 from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 from tests.vllm.rollout_sync_program import PAD, PROMPTS, chat, common_prefix_diffs, take_step
 
@@ -101,8 +100,8 @@ def main():
         streamer = WeightStreamer(chunks, info, cfg.weight_sync_bucket_bytes)
         prompts = [chat(p) for p in PROMPTS]
         # the source vLLM's NCCL engine (GPU) would read: its declared metadata is the stream
-        source = _stream_source()
-        ServerEngine.plan_weights(types.SimpleNamespace(_source=source), streamer)
+        source = stream_source()
+        plan_source(source, streamer)
         declared = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
         streamed = [(n, str(t.dtype), list(t.shape)) for n, t in streamer.iter_tensors()]
         report["nccl_source_metadata"] = {"equal": declared == streamed,
@@ -165,7 +164,7 @@ def main():
             report["killed_in_flight"] = {"error": str(err),
                                           "seconds": time.monotonic() - killed}
         # and with nothing in flight: the health check's timeout
-        engine._failure = None
+        engine.health.failure = None
         try:
             while True:
                 engine.check_alive()

@@ -1,0 +1,128 @@
+"""The trainer end of a weight update of the rollout servers (``rollout.placement:
+separate``): vLLM's weight-transfer lifecycle (``/start_weight_update``, ``/update_weights`` per
+bucket, ``/finish_weight_update`` with the policy version) over vLLM's ``nccl`` engine on GPU
+(never run yet) or ``rlep_gloo`` (:mod:`rlep_megatron.rollout.gloo_transfer`) on the host.
+
+The tensors are the HF-named ones of :class:`~rlep_megatron.weight_sync.WeightStreamer`, in its
+order, one bucket at a time; global rank 0 sends them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+
+def count_tensors(weights: Iterable[tuple[str, torch.Tensor]], count: dict
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, counting the tensors and bytes that pass into ``count``."""
+    for name, tensor in weights:
+        count["tensors"] += 1
+        count["bytes"] += tensor.numel() * tensor.element_size()
+        yield name, tensor
+
+
+class ServerWeights:
+    """The transfer engine of this trainer (global rank 0) to every server behind ``clients``
+    (a :class:`~rlep_megatron.rollout.server.FanOutClient`); they join the transfer group at
+    this host's ``port``."""
+
+    def __init__(self, clients, url: str, *, port: int, bucket_bytes: int, timeout_s: float):
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from rlep_megatron import platform
+        from rlep_megatron.rollout import gloo_transfer
+
+        gloo_transfer.register()
+        self.clients = clients
+        address = advertised_address(url)
+        workers = sum(clients.workers)
+        if platform.cuda_available():
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info = NCCLTrainerInitInfo(master_address=address, master_port=port,
+                                       world_size=1 + workers, rank=0)
+            self.source = stream_source()
+            self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=clients,
+                                                                      source=self.source)
+        else:
+            self.source = None
+            info = gloo_transfer.GlooTrainerInitInfo(
+                master_address=address, master_port=port,
+                num_workers=workers, timeout_s=max(300.0, timeout_s),
+                bucket_bytes=bucket_bytes, rank=0)
+            self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=clients)
+
+    def plan(self, streamer) -> None:
+        """The names, dtypes and shapes of the weight stream, which vLLM's NCCL engine sends
+        ahead of the tensors."""
+        if self.source is not None:
+            plan_source(self.source, streamer)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]], label: Optional[str]) -> dict:
+        """One update of every server; ``label`` becomes their weight version, and their
+        prefix caches are reset. Returns the tensors and bytes sent."""
+        if self.source is not None:  # vLLM's NCCL engine reads a source
+            count = {"tensors": 0, "bytes": 0}
+            self.source.pairs = count_tensors(weights, count)  # one bucket at a time
+            self.transfer.send_weights()
+            self.source.pairs = iter(())
+            if label is not None:
+                self.clients.update_weight_version(label)
+        else:
+            count = self.transfer.send_weights(weights, label)
+        self.clients.reset_prefix_cache()
+        return count
+
+    def close(self) -> None:
+        """Servers that outlive the job drop the transfer group (best effort)."""
+        for client in self.clients.clients:
+            with contextlib.suppress(Exception):
+                client._call("POST", "/shutdown_weight_transfer_engine", timeout=10)
+
+
+def plan_source(source, streamer) -> None:
+    """Give ``source`` (:func:`stream_source`) the plan of ``streamer``'s tensors."""
+    from rlep_megatron.weight_sync.streamer import _DTYPES
+
+    source.plan = [(o.name, _DTYPES[e.dtype], tuple(o.shape))
+                   for b in streamer.buckets for e in b.entries for o in e.all_outputs]
+
+
+def stream_source():
+    """A ``WeightSource`` for vLLM's NCCL trainer engine over the pairs of one sync (the
+    weight stream's tensors of this update, set as ``pairs`` before each send)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class _StreamSource(WeightSource):
+        pairs = iter(())
+        plan: list = []  # (name, dtype, shape) of every tensor, in stream order
+
+        def metadata(self):
+            if not self.plan:
+                raise RuntimeError("the weight stream's plan was not given "
+                                   "(ServerWeights.plan)")
+            return [ParamMeta(name, dtype, shape) for name, dtype, shape in self.plan]
+
+        def __iter__(self):
+            return self.pairs
+
+    return _StreamSource()
+
+
+def advertised_address(url: str) -> str:
+    """This host's address as the server at ``url`` reaches it: ``RLEP_ADVERTISE_ADDR``, else
+    the address of the interface that routes to the server, else loopback."""
+    from urllib.parse import urlparse
+
+    explicit = os.environ.get("RLEP_ADVERTISE_ADDR")
+    if explicit:
+        return explicit
+    host = urlparse(url).hostname or "127.0.0.1"
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+    return "127.0.0.1"
