@@ -11,7 +11,9 @@ Checks, written to ``--out`` as JSON for the pytest side:
    the same weights samples, given the same seeds;
 2. pause / resume with ``rollout.carry_over`` keep, resume and restart: long requests paused
    midway around a weight update; their version spans and tokens;
-3. failure: the server killed (SIGKILL) while requests are in flight, and while none are: how
+3. two servers driven as one: a weight sync reaches both (one transfer group), each prompt is
+   sampled by its own server, and the log-probs of both equal the actor's;
+4. failure: the server killed (SIGKILL) while requests are in flight, and while none are: how
    long until the trainer side raises, and the error.
 """
 import argparse
@@ -87,6 +89,9 @@ def main():
                         weight_sync_bucket_bytes=96 * 1024)
     server = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=512,
                          log_path=args.log)
+    # a second server for the two-server check, starting meanwhile
+    second = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=512,
+                         log_path=args.log + ".second")
     report = {}
     try:
         url = server.wait_ready(600)
@@ -147,6 +152,24 @@ def main():
                                                       carry_over, 10 + 2 * number)
         engine.cfg, engine.extra_sampling = cfg, {}
 
+        # two servers driven as one: the second's worker joins the transfer group after the
+        # first's; each prompt's samples come from its own server, both with the new weights
+        engine.shutdown()  # the first server drops its transfer group, and joins the new one
+        url2 = second.wait_ready(600)
+        pair = ServerEngine([url, url2], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
+        sync_weights(pair, streamer, 20)
+        counts = [generated_tokens(u) for u in (url, url2)]
+        shared = pair.generate(prompts, seed=51, version=20)
+        report["two_servers"] = {
+            "workers": pair.clients.workers,
+            "parity": probe(chunks, info, prompts, shared, PAD),
+            "generated": [generated_tokens(u) - c for u, c in zip((url, url2), counts)],
+            "versions": sorted({v for g in shared for r in g for v, _ in r.versions}),
+            "tokens": sum(len(r.token_ids) for g in shared for r in g)}
+        pair.shutdown()
+        second.stop()
+        engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
+
         # failure: killed with requests in flight (long ones: none may finish before the kill)
         engine.extra_sampling = {"ignore_eos": True}
         requests = engine.requests(long_cfg)
@@ -175,6 +198,7 @@ def main():
         engine.shutdown()
     finally:
         server.stop()
+        second.stop()
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     distributed.destroy()

@@ -2,8 +2,8 @@
 localhost) driven as ``rollout.placement: separate`` drives it: after every weight sync through
 vLLM's weight-transfer lifecycle (``rlep_gloo``), the server's log-probs of its own samples
 equal the Megatron actor's recomputation (fp32, every token within 1e-5); pauses around an
-update keep, resume or restart the requests in flight with the version spans that say so; a
-server killed with SIGKILL fails the trainer side at once (requests in flight) or after
+update keep, resume or restart the requests in flight with the version spans that say so; two
+servers driven as one both take each update and share the prompts; a server killed with SIGKILL fails the trainer side at once (requests in flight) or after
 ``rollout.server_timeout_s`` (none in flight), naming the server."""
 import json
 import subprocess
@@ -79,6 +79,15 @@ def test_resume_keeps_the_tokens_so_far_and_restart_drops_them(report):
     for e in report["spans"]["restart"]:
         if e["done_before"]:  # finished before the pause: untouched, all under the old weights
             assert e["versions"] == [[13, e["length"]]] and e["tokens_before"] == e["length"]
+
+
+def test_two_servers_take_every_update_and_share_the_prompts(report):
+    two = report["two_servers"]
+    assert two["workers"] == [1, 1]  # one transfer group: the trainer and both servers' workers
+    assert two["parity"]["tokens"] > 50 and two["parity"]["max"] <= PARITY_TOL, two
+    # the prompts alternate between the servers: both generated (their own token counters)
+    assert min(two["generated"]) > 0, two
+    assert two["versions"] == [20]
 
 
 def test_a_killed_server_fails_the_trainer_side_naming_it(report):
