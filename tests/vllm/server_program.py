@@ -46,6 +46,17 @@ def generated_tokens(url: str) -> float:
                if line.startswith("vllm:generation_tokens_total"))
 
 
+def wait_for_tokens(url: str, start: float, count: int, timeout_s: float = 60.0) -> None:
+    """Until the server at ``url`` has generated ``count`` tokens since its counter read
+    ``start``; an error after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while generated_tokens(url) - start < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} generated {generated_tokens(url) - start:g} of the "
+                               f"{count} tokens waited for within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def spans_check(engine, cfg, streamer, prompts, carry_over, version):
     """Four long requests, paused once the server has generated a few tokens of each, the
     weights updated to ``version``, then resumed: per request its version spans, length,
@@ -57,10 +68,7 @@ def spans_check(engine, cfg, streamer, prompts, carry_over, version):
     for i in range(4):
         requests.submit((0, i, 0), prompts[i], 1000 + i)
     # pause on progress, not after a fixed time: the server's speed differs between CPUs
-    deadline = time.monotonic() + 30
-    while (generated_tokens(engine.urls[0]) - start < 4 * 16
-           and time.monotonic() < deadline):
-        time.sleep(0.01)
+    wait_for_tokens(engine.urls[0], start, 4 * 16)
     requests.pause(carry_over)
     done = {k for k, item in requests.pending.items() if item.finish_reason is not None}
     before = {k: list(item.token_ids) for k, item in requests.pending.items()}
@@ -87,10 +95,10 @@ def main():
     distributed.init_process_group()
     cfg = RolloutConfig(num_samples_per_prompt=2, max_response_tokens=20, temperature=1.0,
                         weight_sync_bucket_bytes=96 * 1024)
-    server = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=512,
+    server = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=2048,
                          log_path=args.log)
     # a second server for the two-server check, starting meanwhile
-    second = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=512,
+    second = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=2048,
                          log_path=args.log + ".second")
     report = {}
     try:
@@ -140,7 +148,7 @@ def main():
         report["moved_tokens"] = len(diffs)
         report["moved_mean_abs"] = sum(diffs) / max(len(diffs), 1)
 
-        long_cfg = RolloutConfig(num_samples_per_prompt=1, max_response_tokens=480,
+        long_cfg = RolloutConfig(num_samples_per_prompt=1, max_response_tokens=1984,
                                  temperature=1.0)
         engine.cfg = long_cfg  # long responses: every one is generating at the pause
         engine.extra_sampling = {"ignore_eos": True}
@@ -169,6 +177,7 @@ def main():
         pair.shutdown()
         second.stop()
         engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
+        sync_weights(engine, streamer, 21)
 
         # failure: killed with requests in flight (long ones: none may finish before the kill)
         engine.extra_sampling = {"ignore_eos": True}
@@ -176,8 +185,7 @@ def main():
         start = generated_tokens(url)
         for i in range(2):
             requests.submit((0, i, 0), prompts[i], 2000 + i)
-        while generated_tokens(url) - start < 2 * 8:  # generating, far from done
-            time.sleep(0.01)
+        wait_for_tokens(url, start, 2 * 8)  # generating, far from done
         os.killpg(server.process.pid, signal.SIGKILL)
         killed = time.monotonic()
         try:

@@ -3,7 +3,8 @@ localhost) driven as ``rollout.placement: separate`` drives it: after every weig
 vLLM's weight-transfer lifecycle (``rlep_gloo``), the server's log-probs of its own samples
 equal the Megatron actor's recomputation (fp32, every token within 1e-5); pauses around an
 update keep, resume or restart the requests in flight with the version spans that say so; two
-servers driven as one both take each update and share the prompts; a server killed with SIGKILL fails the trainer side at once (requests in flight) or after
+servers driven as one both take each update and share the prompts; a server killed with
+SIGKILL fails the trainer side at once (requests in flight) or after
 ``rollout.server_timeout_s`` (none in flight), naming the server."""
 import json
 import subprocess
