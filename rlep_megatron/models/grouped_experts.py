@@ -88,13 +88,31 @@ class _GroupedLinear(torch.autograd.Function):
             # a group without tokens gets exactly 0 (some kernels leave it unwritten)
             grad_w = F.grouped_mm(grad_y.t(), x.contiguous(), offs=offs)
             empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-            grad_w = grad_w.masked_fill(empty[:, None, None], 0)
+            grad_w.masked_fill_(empty[:, None, None], 0)
         grads = grad_w.unbind(0) if grad_w is not None else (None,) * len(weights)
         return (grad_x, None, *grads)
 
 
 def grouped_linear(x: torch.Tensor, offs: torch.Tensor, weights: list[torch.Tensor]):
     return _GroupedLinear.apply(x, offs, *weights)
+
+
+def _run_weight_pre_hooks(experts) -> None:
+    """Run the forward pre-hooks of every expert's linears, which the grouped GEMM reads
+    without calling them. With the distributed optimizer and ``overlap_param_gather``,
+    megatron's DDP gathers each module's updated parameter shards in that module's own
+    pre-hook (over ``parameters(recurse=False)``): skipped, the GEMM would read expert weights
+    whose other data-parallel ranks' shards still hold the previous optimizer step's values.
+    They run in the order ``SequentialMLP`` would call the linears. A pre-hook's return value
+    (a replaced input) is ignored: these linears take no input here."""
+    for expert in experts:
+        for linear in (expert.linear_fc1, expert.linear_fc2):
+            with_kwargs = linear._forward_pre_hooks_with_kwargs
+            for hook_id, hook in list(linear._forward_pre_hooks.items()):
+                if hook_id in with_kwargs:
+                    hook(linear, (), {})
+                else:
+                    hook(linear, ())
 
 
 def _grouped_mlp_class():
@@ -126,6 +144,7 @@ def _grouped_mlp_class():
                 dtype = hidden.dtype
                 hidden = (probs.unsqueeze(-1) * hidden).to(dtype)
                 probs = torch.ones_like(probs)
+            _run_weight_pre_hooks(self.local_experts)
             fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
             fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
             if not _aligned(hidden.shape[-1], fc1[0].shape[0], fc2[0].shape[0],

@@ -202,6 +202,7 @@ def _build() -> dict:
         num_workers: int = 1
         timeout_s: float = 300.0
         bucket_bytes: int = 512 * 1024 * 1024
+        servers: str = "the rollout server"  # how errors name the servers (their URLs)
 
     class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
         """The trainer side of ``rlep_gloo``: the sending rank (group rank 0) streams; other
@@ -249,7 +250,8 @@ def _build() -> dict:
             for thread in threads:
                 thread.start()
             _wait(lambda: not any(t.is_alive() for t in threads), errors, init_info.timeout_s,
-                  "the rlep_gloo weight transfer's rendezvous with the rollout server")
+                  "the rlep_gloo weight transfer's rendezvous with the rollout server(s) "
+                  f"{init_info.servers}")
             self.group, self._store = joined[0]
             return self
 
@@ -300,7 +302,8 @@ def _build() -> dict:
             receiver.start()
             work = self.group.broadcast(flat, 0)
             _wait(lambda: work.is_completed() and not receiver.is_alive(), errors,
-                  self.info.timeout_s, "a weight bucket's transfer to the rollout server")
+                  self.info.timeout_s,
+                  f"a weight bucket's transfer to the rollout server(s) {self.info.servers}")
 
         def shutdown(self) -> None:
             self.group, self._store = None, None

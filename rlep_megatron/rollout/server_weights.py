@@ -25,6 +25,55 @@ def count_tensors(weights: Iterable[tuple[str, torch.Tensor]], count: dict
         yield name, tensor
 
 
+def _synchronize_device(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def produced(weights: Iterable[tuple[str, torch.Tensor]], synchronize=_synchronize_device
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights``, each device tensor handed on only once the stream that produced it (the
+    current stream: the weight stream's gathers and HF conversions run there) has finished.
+    vLLM's NCCL trainer engine packs the tensors it is given on side streams of its own, which
+    wait for nothing queued on the current stream: a tensor handed on earlier could be read
+    before it is written. Waiting per tensor costs little, as a bucket's tensors are done
+    together (the first wait of a bucket is its gather)."""
+    for name, tensor in weights:
+        if tensor.is_cuda:
+            synchronize(tensor.device)
+        yield name, tensor
+
+
+class TransferStalled(TimeoutError):
+    """A weight transfer to the rollout servers did not complete within its deadline."""
+
+
+def within_deadline(action, timeout_s: float, what: str):
+    """``action()`` on a helper thread, its result or error returned or raised here; a
+    ``TransferStalled`` naming ``what`` if it has not finished within ``timeout_s`` (the
+    helper, stuck in a collective that cannot be cancelled, is left behind: the job ends)."""
+    import threading
+
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = action()
+        except BaseException as err:  # re-raised on the caller's thread
+            outcome["error"] = err
+
+    helper = threading.Thread(target=run, daemon=True, name="rlep-weight-transfer")
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        raise TransferStalled(f"{what} did not complete within {timeout_s:.0f} s: the server "
+                              "stopped taking the weights (it hangs, or its GPU link does); "
+                              "the job ends (rollout.server_timeout_s sets the deadline, "
+                              "at least 300 s)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result")
+
+
 class ServerWeights:
     """The transfer engine of this trainer (global rank 0) to every server behind ``clients``
     (a :class:`~rlep_megatron.rollout.server.FanOutClient`); they join the transfer group at
@@ -38,6 +87,8 @@ class ServerWeights:
 
         gloo_transfer.register()
         self.clients = clients
+        self.timeout_s = max(300.0, timeout_s)
+        self.servers = ", ".join(client.url for client in clients.clients)
         address = advertised_address(url)
         workers = sum(clients.workers)
         if platform.cuda_available():
@@ -52,7 +103,7 @@ class ServerWeights:
             self.source = None
             info = gloo_transfer.GlooTrainerInitInfo(
                 master_address=address, master_port=port,
-                num_workers=workers, timeout_s=max(300.0, timeout_s),
+                num_workers=workers, timeout_s=self.timeout_s, servers=self.servers,
                 bucket_bytes=bucket_bytes, rank=0)
             self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=clients)
 
@@ -67,8 +118,12 @@ class ServerWeights:
         prefix caches are reset. Returns the tensors and bytes sent."""
         if self.source is not None:  # vLLM's NCCL engine reads a source
             count = {"tensors": 0, "bytes": 0}
-            self.source.pairs = count_tensors(weights, count)  # one bucket at a time
-            self.transfer.send_weights()
+            # one bucket at a time, each tensor complete before vLLM's side streams read it
+            self.source.pairs = produced(count_tensors(weights, count))
+            # PyNccl has no watchdog: a server that stalls inside the broadcast (while its
+            # /health still answers) would block this rank for ever
+            within_deadline(self.transfer.send_weights, self.timeout_s,
+                            f"the weight transfer to the rollout server(s) {self.servers}")
             self.source.pairs = iter(())
             if label is not None:
                 self.clients.update_weight_version(label)
@@ -78,7 +133,10 @@ class ServerWeights:
         return count
 
     def close(self) -> None:
-        """Servers that outlive the job drop the transfer group (best effort)."""
+        """Both ends drop the transfer group: this trainer's engine, and the servers, which
+        may outlive the job (best effort)."""
+        with contextlib.suppress(Exception):
+            self.transfer.shutdown()
         for client in self.clients.clients:
             with contextlib.suppress(Exception):
                 client._call("POST", "/shutdown_weight_transfer_engine", timeout=10)

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-experts", default="auto",
                         choices=["auto", "grouped", "sequential"],
                         help="how MoE layers run their experts (model.moe_experts)")
+    parser.add_argument("--overlap-param-gather", action="store_true",
+                        help="optim.overlap_param_gather (with --distributed-optimizer): the "
+                             "updated shards are gathered in the next forward's pre-hooks")
+    parser.add_argument("--train-steps", type=int, default=1,
+                        help="training steps, each ending with the weights gathered")
+    parser.add_argument("--mini-batches", type=int, default=1,
+                        help="optimizer steps per training step (the batch split in order)")
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
     return parser
@@ -149,7 +156,8 @@ def run_case(args):
     optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=args.weight_decay,
                             clip_grad=1.0, adam_eps=args.adam_eps,
                             use_distributed_optimizer=args.distributed_optimizer)
-    chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer)
+    chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer,
+                      overlap_param_gather=args.overlap_param_gather)
     optimizer = build_optimizer(chunks, optim_cfg, info.params_dtype)
 
     input_ids, response_mask, advantages, is_replay, noise = global_batch()
@@ -174,13 +182,19 @@ def run_case(args):
         rows = torch.tensor(balanced_partition(lengths.tolist(), dp)[dp_rank])
     else:
         rows = torch.arange(dp_rank * NUM_SEQUENCES // dp, (dp_rank + 1) * NUM_SEQUENCES // dp)
-    batch = TrainBatch(input_ids[rows], response_mask[rows], old_logp[rows], advantages[rows],
-                       is_replay[rows], routing=None if routing is None else
-                       {layer: experts[rows] for layer, experts in routing.items()})
+    steps_metrics = []
     with counting_schedule_reads() as reads:
-        metrics = train_mini_batch(chunks, optimizer, info, batch, AlgoConfig(),
-                                   args.micro_batch_max_tokens, sequence_packing=args.packing,
-                                   routing_replay=replay)
+        for _ in range(args.train_steps):
+            for part in rows.tensor_split(args.mini_batches):
+                batch = TrainBatch(input_ids[part], response_mask[part], old_logp[part],
+                                   advantages[part], is_replay[part],
+                                   routing=None if routing is None else
+                                   {layer: experts[part] for layer, experts in routing.items()})
+                steps_metrics.append(train_mini_batch(
+                    chunks, optimizer, info, batch, AlgoConfig(), args.micro_batch_max_tokens,
+                    sequence_packing=args.packing, routing_replay=replay))
+            optimizer.gather_params(chunks)  # as the learner does at the end of a step
+    metrics = steps_metrics[0] if len(steps_metrics) == 1 else steps_metrics
     # every rank receives every HF tensor from the weight-sync stream
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
