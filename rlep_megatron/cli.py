@@ -90,7 +90,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     hf_config = plan.load_model_config(cfg, args.hf_config)
     result = plan.plan(cfg, hf_config, args.nodes * args.gpus_per_node, args.gpu_mem_gib,
                        args.mfu, args.gpu,
-                       spec="local" if args.local_spec else "te")
+                       spec="local" if args.local_spec else "te",
+                       gpus_per_node=args.gpus_per_node)
     print(json.dumps(result, indent=1) if args.json else plan.format_plan(result))
     return 0
 

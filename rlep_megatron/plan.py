@@ -329,9 +329,76 @@ def vllm_bytes(hf_config: dict, cfg: RunConfig, total_params: int, gpu_bytes: fl
 
 
 def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float] = None,
-         mfu: float = 0.3, gpu: str = "h100", spec: str = "te") -> dict[str, Any]:
+         mfu: float = 0.3, gpu: str = "h100", spec: str = "te",
+         gpus_per_node: Optional[int] = None) -> dict[str, Any]:
     """The whole plan as one JSON-able dict (keys documented in docs/memory.md).
-    ``gpu_mem_gib``: the usable memory per GPU; ``None``: the card's (:data:`USABLE_GIB`)."""
+    ``gpu_mem_gib``: the usable memory per GPU; ``None``: the card's (:data:`USABLE_GIB`).
+    When the plan does not fit, or fits above :data:`PEAK_HEADROOM`, ``fixes`` lists changes
+    planned here that bring both peaks under it (``gpus_per_node``: the size of one more
+    node, for the "more nodes" fixes)."""
+    result = _plan(cfg, hf_config, gpus, gpu_mem_gib, mfu, gpu, spec)
+    result["fixes"] = []
+    if result["peak_fraction"] > PEAK_HEADROOM or not result["fits"]:
+        result["fixes"] = checked_fixes(cfg, hf_config, gpus, gpus_per_node or gpus,
+                                        result["gpu_mem_gib"], mfu, gpu, spec)
+    return result
+
+
+def _changed(cfg: RunConfig, changes: dict[str, Any]) -> RunConfig:
+    from rlep_megatron.config import config_from_dict, config_to_dict
+
+    raw = config_to_dict(cfg)
+    for key, value in changes.items():
+        section, name = key.split(".")
+        raw[section][name] = value
+    return config_from_dict(raw)
+
+
+def checked_fixes(cfg: RunConfig, hf_config: dict, gpus: int, gpus_per_node: int,
+                  gpu_mem_gib: float, mfu: float, gpu: str, spec: str) -> list[dict]:
+    """Single changes, and pairs of them, each planned in full: those that bring the train
+    and rollout peaks under :data:`PEAK_HEADROOM` of ``gpu_mem_gib``, the fewest changes
+    first, then the lowest peak (at most 4). A change the layout refuses is left out."""
+    par = cfg.parallel
+    single: list[tuple[dict[str, Any], int]] = []  # (changes, extra GPUs)
+    if cfg.optim.grad_reduce_dtype == "float32" and cfg.model.params_dtype != "float32":
+        single.append(({"optim.grad_reduce_dtype": "bfloat16"}, 0))
+    if not cfg.optim.offload_during_rollout and cfg.rollout.placement != "separate":
+        single.append(({"optim.offload_during_rollout": True}, 0))
+    if not cfg.model.recompute_activations:
+        single.append(({"model.recompute_activations": True}, 0))
+    single.append(({"parallel.pipeline_model_parallel_size":
+                    par.pipeline_model_parallel_size * 2}, 0))
+    single.append(({}, gpus))  # as many GPUs again: more (expert) data parallelism
+    candidates = [(c, g) for c, g in single if c or g]
+    candidates += [({**a, **b}, ga + gb) for i, (a, ga) in enumerate(single)
+                   for b, gb in single[i + 1:] if not set(a) & set(b)]
+    found = []
+    for changes, extra in candidates:
+        try:
+            result = _plan(_changed(cfg, changes), hf_config, gpus + extra, gpu_mem_gib, mfu,
+                           gpu, spec)
+        except ValueError:  # a layout the model or the GPU count refuses
+            continue
+        if result["fits"] and result["peak_fraction"] <= PEAK_HEADROOM:
+            words = [f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+                     for key, value in changes.items()]
+            if extra:
+                nodes = (gpus + extra) // gpus_per_node
+                words.append(f"{gpus + extra} GPUs" + (f" ({nodes} nodes of {gpus_per_node})"
+                                                       if (gpus + extra) % gpus_per_node == 0
+                                                       else ""))
+            found.append({"changes": changes, "gpus": gpus + extra, "text": ", ".join(words),
+                          "count": len(words),
+                          "peak_train_gib": result["peak_train_gib"],
+                          "peak_rollout_gib": result["peak_rollout_gib"],
+                          "peak_fraction": result["peak_fraction"]})
+    found.sort(key=lambda f: (f["count"], f["peak_fraction"]))
+    return found[:4]
+
+
+def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float],
+          mfu: float, gpu: str, spec: str) -> dict[str, Any]:
     from rlep_megatron.distributed import validate_parallel_layout
     from rlep_megatron.models import layout, layout_limits, llama_family, num_experts
 
@@ -584,6 +651,14 @@ def format_plan(result: dict) -> str:
               f"{result['peak_fraction']:.0%}; {result['assumptions']['overhead_gib']:g} GiB "
               "per GPU for the CUDA context, NCCL and the allocator included)"]
     lines += [f"  try: {advice}" for advice in result["advice"]]
+    if result.get("fixes"):
+        lines.append(f"  planned changes that bring both peaks under {PEAK_HEADROOM:.0%}:")
+        lines += [f"    {fix['text']}: train peak {fix['peak_train_gib']:.1f} GiB, rollout "
+                  f"peak {fix['peak_rollout_gib']:.1f} GiB ({fix['peak_fraction']:.0%})"
+                  for fix in result["fixes"]]
+    elif result["peak_fraction"] > PEAK_HEADROOM:
+        lines.append(f"  no single change or pair planned here brings both peaks under "
+                     f"{PEAK_HEADROOM:.0%}")
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import time
+from typing import Optional
 
 from rlep_megatron import distributed, faults
 from rlep_megatron.config import RunConfig, dump_config
@@ -39,12 +40,13 @@ class Timer:
     """``with timer.phase("rollout"): ...`` records ``timing/rollout_s`` (and is where
     ``RLEP_FAULT_INJECT`` strikes, :mod:`rlep_megatron.faults`)."""
 
-    def __init__(self):
+    def __init__(self, step: Optional[int] = None):
         self.values: dict[str, float] = {}
+        self.step = step  # the training step whose phases these are (metrics.jsonl's number)
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        faults.check(name, distributed.get_rank())
+        faults.check(name, distributed.get_rank(), self.step)
         start = time.perf_counter()
         try:
             yield
@@ -172,7 +174,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def train_step(self) -> dict[str, float]:
-        timer = Timer()
+        timer = Timer(step=self.step + 1)
         step_start = time.perf_counter()
         batch = self.rollout.next_batch(self.step, timer)
         with timer.phase("advantage"):
@@ -238,7 +240,7 @@ class Trainer:
         self.learner.weight_sync(version=self.step)  # the engine starts with dummy weights
         interval = cfg.trainer.validation_interval_steps
         if self.val_rows is not None and interval and not resumed:
-            timer = Timer()
+            timer = Timer(step=self.step)
             with timer.phase("validate"):
                 values = self.validate()
             self._log(self.step, {**values, **timer.values})
@@ -246,7 +248,7 @@ class Trainer:
         self._first_step, self._loop_start = self.step, time.perf_counter()
         for _ in range(self.step, cfg.trainer.total_steps):
             metrics = self.train_step()
-            timer = Timer()
+            timer = Timer(step=self.step)
             if self.val_rows is not None and interval and self.step % interval == 0:
                 with timer.phase("validate"):
                     metrics.update(self.validate())

@@ -15,8 +15,6 @@ import pytest
 from rlep_megatron.data.schema import read_prompt_file, rows_to_table
 from rlep_megatron.replay.pool import ExperiencePool
 from rlep_megatron.reward import compute_score
-from rlep_megatron.tiny_model import make_tiny_model
-from rlep_megatron.tiny_task import make_tiny_task, warm_start
 from tests.e2e.helpers import recipe, run_rlep
 from tests.torchrun import REPO_ROOT, _env
 from tests import requires
@@ -27,17 +25,10 @@ requires("vllm")
 
 
 @pytest.fixture(scope="module")
-def easy(tmp_path_factory):
+def easy(tmp_path_factory, memorised):
     """A task the tiny model can memorise (6 training questions) and a model warm-started on it."""
     root = tmp_path_factory.mktemp("easy")
-    task = make_tiny_task(str(root / "task"), seed=0, num_train=6, num_val=2, max_operand=2)
-    model = make_tiny_model(str(root / "model"), seed=0)
-    result = warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6,
-                        eval_parquet=task["train"])
-    # what the tests below need: the model answers the memorised questions (greedy); not a
-    # loss value, whose digits differ from one CPU to another
-    assert result["accuracy"] >= 5 / 6, result
-    return task, model
+    return memorised(root / "task", root / "model")
 
 
 def collect_args(task, model, out, shards):

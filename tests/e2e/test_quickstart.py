@@ -107,10 +107,7 @@ def doc_commands(name: str) -> list[list[str]]:
             if shlex.split(line, comments=True)]
 
 
-def test_docs_own_data_quickstart_runs_as_written(tmp_path):
-    from rlep_megatron.tiny_model import make_tiny_model
-    from rlep_megatron.tiny_task import make_tiny_task, warm_start
-
+def test_docs_own_data_quickstart_runs_as_written(tmp_path, memorised):
     commands = doc_commands("own-data")
     assert [c[:2] for c in commands] == [["python", "tools/prepare_data.py"]] * 2 + [
         ["rlep", sub] for sub in ("init", "config", "plan", "train", "collect", "init", "train",
@@ -119,9 +116,7 @@ def test_docs_own_data_quickstart_runs_as_written(tmp_path):
     os.symlink(os.path.join(REPO_ROOT, "examples"), tmp_path / "examples")
     # the block's model and JSONL files: a tiny model that memorises a small task in seconds,
     # and the task's questions and answers under the column names the block gives
-    task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=6, num_val=2, max_operand=2)
-    model = make_tiny_model(str(tmp_path / "models" / "Qwen2.5-Math-1.5B"), seed=0)
-    warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6, show_progress=False)
+    task, model = memorised(tmp_path / "task", tmp_path / "models" / "Qwen2.5-Math-1.5B")
     (tmp_path / "data").mkdir()
     for split in ("train", "val"):
         rows = read_prompt_file(task[split])

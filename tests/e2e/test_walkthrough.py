@@ -13,8 +13,6 @@ import sys
 import pytest
 
 from rlep_megatron.demo import _check_settings
-from rlep_megatron.tiny_model import make_tiny_model
-from rlep_megatron.tiny_task import make_tiny_task, warm_start
 from tests.e2e.helpers import read_jsonl
 from tests.torchrun import REPO_ROOT, _env
 
@@ -34,7 +32,7 @@ def walkthrough_commands() -> list[list[str]]:
     return [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
 
 
-def test_docs_walkthrough_runs_as_written(tmp_path):
+def test_docs_walkthrough_runs_as_written(tmp_path, memorised):
     commands = walkthrough_commands()
     assert [c[:2] for c in commands] == [["rlep", "demo"]] + [
         ["rlep", sub] for sub in ("train", "collect", "train", "eval")]
@@ -44,9 +42,7 @@ def test_docs_walkthrough_runs_as_written(tmp_path):
     tiny = tmp_path / "outputs" / "tiny"
     tiny.mkdir(parents=True)
     _check_settings(str(tiny), 0)
-    task = make_tiny_task(str(tiny / "task"), seed=0, num_train=6, num_val=2, max_operand=2)
-    model = make_tiny_model(str(tiny / "model"), seed=0)
-    warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6, show_progress=False)
+    memorised(tiny / "task", tiny / "model")
 
     for command in commands:
         args = [sys.executable, "-m", "rlep_megatron.cli", *command[1:]]

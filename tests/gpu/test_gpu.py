@@ -222,3 +222,26 @@ def test_engine_routing_is_captured_and_replayed_on_the_gpu(tiny_qwen3_moe_dir, 
     assert routing["shifted"]["mismatch_frac"] > 0.3, routing
     assert routing["followed"]["engine_experts_used"], routing
     assert not routing["misaligned"]["engine_experts_used"], routing
+
+
+def test_the_weight_source_waits_for_the_stream_that_wrote_a_tensor():
+    """The NCCL weight sender's race on a real device: a tensor written on the current stream
+    behind a delay (``torch.cuda._sleep``), then read on a side stream that waits for nothing,
+    as vLLM's packing streams read what the trainer's weight source hands them. Handed on
+    through :func:`~rlep_megatron.rollout.server_weights.produced`, the reader sees the
+    written values."""
+    from rlep_megatron.rollout.server_weights import produced
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for _ in range(3):
+        tensor = torch.zeros(1 << 20, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of the current stream's time
+        tensor.fill_(1.0)
+        side = torch.cuda.Stream()
+        for _, ready in produced([("w", tensor)]):
+            with torch.cuda.stream(side):
+                copy = ready.clone()
+        side.synchronize()
+        assert float(copy.sum()) == tensor.numel()
