@@ -175,7 +175,14 @@ class RolloutConfig:
     they need: docs/ASYNC.md)."""
     server_timeout_s: float = 60.0
     """``placement: separate``: a server that does not answer its health check for this long
-    ends the job with an error naming it."""
+    ends the job with an error naming it. A weight transfer to the servers waits at most
+    ``max(300, server_timeout_s)`` seconds before it ends the job naming them."""
+    server_gpu_memory_utilization: float = 0.85
+    """``placement: separate``: fraction of GPU memory a rollout server started by a rollout
+    rank takes for weights and KV cache. The server owns its GPU, so this is higher than
+    ``gpu_memory_utilization``, which leaves room for a colocated actor; the default keeps
+    the server's peak, CUDA context included, under 90% of an H100's usable memory (GPU
+    only)."""
     engine_routing: Literal["auto", "output", "capture"] = "auto"
     """Where the engine's routing comes from when ``algo.routing_replay=rollout`` replays it:
     ``output``, vLLM's own ``routed_experts`` (its V2 model runner, CUDA graphs kept; GPU
@@ -209,9 +216,10 @@ class RolloutConfig:
         if self.max_response_tokens < 1:
             raise ValueError(
                 f"rollout.max_response_tokens must be >= 1, got {self.max_response_tokens}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("rollout.gpu_memory_utilization is a fraction of the GPU's memory "
-                             f"in (0, 1], got {self.gpu_memory_utilization}")
+        for key in ("gpu_memory_utilization", "server_gpu_memory_utilization"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"rollout.{key} is a fraction of the GPU's memory in (0, 1], "
+                                 f"got {getattr(self, key)}")
         if self.weight_sync_bucket_bytes < 1:
             raise ValueError("rollout.weight_sync_bucket_bytes must be >= 1 (bytes per bucket "
                              f"of the weight stream), got {self.weight_sync_bucket_bytes}")

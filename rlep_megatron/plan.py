@@ -317,7 +317,10 @@ def vllm_bytes(hf_config: dict, cfg: RunConfig, total_params: int, gpu_bytes: fl
 
     dims = llama_family.dims_from_config(hf_config)
     rtp = cfg.rollout.tensor_model_parallel_size
-    budget = cfg.rollout.gpu_memory_utilization * gpu_bytes
+    # a server started by a rollout rank owns its GPU and takes its own share of it
+    servers_own_gpus = cfg.rollout.placement == "separate" and cfg.rollout.num_ranks > 0
+    budget = (cfg.rollout.server_gpu_memory_utilization if servers_own_gpus
+              else cfg.rollout.gpu_memory_utilization) * gpu_bytes
     weights = total_params * dtype_bytes / rtp
     kv_heads = max(1.0, dims.num_query_groups / rtp)
     per_token = 2 * int(hf_config["num_hidden_layers"]) * kv_heads * dims.head_dim * dtype_bytes
@@ -443,6 +446,15 @@ def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[floa
         per_param_state += 4  # the float32 copy of the 16-bit gradient shard at each step
     reference = 0.0 if cfg.algo.kl_coef <= 0 or cfg.algo.reference_offload else 1.0
     rollout = vllm_bytes(hf_config, cfg, total["total_params"], gpu_bytes, dtype_bytes)
+    if separate and cfg.rollout.num_ranks and rollout["kv_cache"] <= 0:
+        raise ValueError(
+            f"rollout.num_ranks: each rollout rank serves the whole model on one GPU, and "
+            f"{total['total_params'] / 1e9:.1f}B parameters take "
+            f"{rollout['weights'] / GIB:.1f} GiB, more than its budget of "
+            f"{rollout['budget'] / GIB:.1f} GiB (rollout.server_gpu_memory_utilization="
+            f"{cfg.rollout.server_gpu_memory_utilization:g} of {gpu_mem_gib:g} GiB, "
+            f"{VLLM_WORKSPACE_GIB:g} GiB of it workspace): start tensor-parallel vLLM servers "
+            "yourself and give them as rollout.server_urls (docs/ASYNC.md)")
     per_stage = []
     # gradient buffers: float32, or the parameters' dtype with optim.grad_reduce_dtype=bfloat16
     grad_bytes = 4 if cfg.optim.grad_reduce_dtype == "float32" else dtype_bytes

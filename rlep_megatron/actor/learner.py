@@ -90,7 +90,10 @@ class LearningSide:
             from rlep_megatron.actor.routing import RoutingReplay
 
             self.routing_replay = RoutingReplay(self.chunks)
-        self.offload_train_state = cfg.optim.offload_during_rollout and platform.cuda_available()
+        # separate placement: no engine shares the actor's GPUs, nothing to make room for
+        self.offload_train_state = (cfg.optim.offload_during_rollout
+                                    and platform.cuda_available()
+                                    and cfg.rollout.placement != "separate")
         if self.offload_train_state and self.info.params_dtype != torch.bfloat16:
             raise ValueError("optim.offload_during_rollout needs model.params_dtype=bfloat16 "
                              "(auto on GPU): with float32 parameters megatron's optimizer "

@@ -43,11 +43,17 @@ def test_plan_splits_trainer_and_rollout_gpus():
                                           "rollout.tensor_model_parallel_size=1"])
     separate = plan.plan(cfg, hf_config, 16)
     assert (separate["gpus"], separate["train_gpus"], separate["rollout_gpus"]) == (16, 12, 4)
-    # a rollout GPU holds vLLM alone: its budget of the card plus the per-GPU overhead
+    # a rollout GPU holds vLLM alone: the server's budget of the card (its own key, higher
+    # than a colocated engine's) plus the per-GPU overhead
+    server_budget = cfg.rollout.server_gpu_memory_utilization * separate["gpu_mem_gib"]
+    assert cfg.rollout.server_gpu_memory_utilization > cfg.rollout.gpu_memory_utilization
+    assert separate["peak_rollout_gib"] == pytest.approx(server_budget + plan.OVERHEAD_GIB)
     budget = cfg.rollout.gpu_memory_utilization * separate["gpu_mem_gib"]
-    assert separate["peak_rollout_gib"] == pytest.approx(budget + plan.OVERHEAD_GIB)
-    # colocated, the rollout-time peak adds the actor's resident state to the same budget
-    assert separate["peak_rollout_gib"] < colocated["peak_rollout_gib"]
+    # colocated, the rollout-time peak adds the actor's resident state to its budget; a
+    # server's default share keeps its GPU under the planner's 90%
+    assert colocated["peak_rollout_gib"] > (cfg.rollout.gpu_memory_utilization
+                                            * colocated["gpu_mem_gib"] + plan.OVERHEAD_GIB)
+    assert separate["peak_rollout_gib"] <= plan.PEAK_HEADROOM * separate["gpu_mem_gib"]
     # without sleep mode a colocated engine also sits through training; a separate one never
     awake = ["rollout.enable_sleep_mode=false", "rollout.tensor_model_parallel_size=1"]
     colocated_awake = plan.plan(config_lib.load_config(recipe, awake), hf_config, 12)
@@ -58,6 +64,41 @@ def test_plan_splits_trainer_and_rollout_gpus():
     assert "12 trainer GPU(s)" in plan.format_plan(separate)
     with pytest.raises(ValueError, match="leaves no training GPU"):
         plan.plan(cfg, hf_config, 4)
+
+
+def test_a_model_too_large_for_one_rollout_gpu_is_refused_naming_the_fix():
+    """rollout.num_ranks serves on one GPU per rank: the 30B-A3B shape's 57 GiB of bf16
+    weights do not fit a server's budget there (0.6 x 79.6 GiB here), and `rlep plan`
+    refuses it before launch, naming the size and rollout.server_urls; tensor-parallel servers
+    given by URL plan."""
+    from rlep_megatron import plan
+
+    recipe = os.path.join(EXAMPLES, "qwen3_30b_a3b_rlep.yaml")
+    with open(os.path.join(EXAMPLES, "model_shapes", "qwen3-30b-a3b.json")) as f:
+        hf_config = json.load(f)
+    ranks = config_lib.load_config(recipe, [
+        "rollout.placement=separate", "rollout.num_ranks=8", "rollout.tensor_model_parallel_size=1",
+        "rollout.server_gpu_memory_utilization=0.6"])
+    with pytest.raises(ValueError, match=r"30\.5B parameters take 56\.9 GiB.*rollout\.server_urls"):
+        plan.plan(ranks, hf_config, 72)
+    urls = config_lib.load_config(recipe, [
+        "rollout.placement=separate", "rollout.tensor_model_parallel_size=4",
+        "rollout.server_urls=[http://a:8000,http://b:8000]"])
+    result = plan.plan(urls, hf_config, 64)
+    assert result["rollout"]["weights"] / plan.GIB == pytest.approx(56.9 / 4, abs=0.1)
+
+
+def test_a_server_takes_its_own_memory_share(tmp_path):
+    from rlep_megatron.rollout.server import serve_arguments
+
+    cfg = config_lib.load_config(os.path.join(EXAMPLES, "tiny_cpu_baseline.yaml"), [
+        "rollout.placement=separate", "rollout.num_ranks=1",
+        "rollout.server_gpu_memory_utilization=0.85"]).rollout
+    args = serve_arguments(str(tmp_path), cfg, port=1, cuda=True)
+    assert args[args.index("--gpu-memory-utilization") + 1] == "0.85"
+    with pytest.raises(ValueError, match="server_gpu_memory_utilization"):
+        config_lib.load_config(os.path.join(EXAMPLES, "tiny_cpu_baseline.yaml"),
+                               ["rollout.server_gpu_memory_utilization=1.5"])
 
 
 def test_init_writes_rollout_nodes_and_servers(tmp_path, tiny_qwen2_dir, capsys):
