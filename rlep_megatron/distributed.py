@@ -131,24 +131,73 @@ def job_store(timeout_minutes: float = 15.0):
                     timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+ROLE_ENV = "RLEP_NODE_ROLE"
+_ROLE_KEY = f"rlep/{_ATTEMPT}/role/"
+
+
+def _node_role() -> Optional[str]:
+    role = os.environ.get(ROLE_ENV, "").strip().lower()
+    if role not in ("", "train", "rollout"):
+        raise ValueError(f"{ROLE_ENV}={os.environ[ROLE_ENV]!r}: a node's role is train or "
+                         "rollout (NODE_ROLE of scripts/train_multinode.sh)")
+    return role or None
+
+
+def assign_roles(roles: list[Optional[str]], num_ranks: int) -> list[tuple[str, int]]:
+    """Each global rank's part, ``("train", new rank)`` or ``("rollout", server index)``,
+    from the ranks' node roles (``None``: not set). With no role set anywhere, the last
+    ``num_ranks`` ranks serve; with roles, the ranks of rollout nodes serve, whatever their
+    global ranks (torchrun's c10d rendezvous numbers nodes in its own order, not by
+    ``--node-rank``). Training ranks keep their order."""
+    world = len(roles)
+    if num_ranks >= world:
+        raise ValueError(f"rollout.num_ranks={num_ranks} leaves no training rank in a job of "
+                         f"{world}; launch more processes (torchrun --nproc-per-node) or "
+                         f"lower it")
+    if all(role is None for role in roles):
+        roles = ["train"] * (world - num_ranks) + ["rollout"] * num_ranks
+    elif any(role is None for role in roles):
+        unset = [rank for rank, role in enumerate(roles) if role is None]
+        raise ValueError(f"{ROLE_ENV} is set on some nodes and not on others (not on global "
+                         f"ranks {unset}): set NODE_ROLE=train or rollout on every node")
+    serving = roles.count("rollout")
+    if serving != num_ranks:
+        raise ValueError(f"rollout.num_ranks={num_ranks}, but {serving} rank(s) run on nodes "
+                         f"whose {ROLE_ENV} is rollout: make them agree (num_ranks = rollout "
+                         "nodes x GPUs per node)")
+    counters = {"train": 0, "rollout": 0}
+    parts = []
+    for role in roles:
+        parts.append((role, counters[role]))
+        counters[role] += 1
+    return parts
+
+
 def split_rollout_ranks(num_ranks: int) -> Optional[int]:
-    """``rollout.num_ranks``: the last ``num_ranks`` ranks of the torchrun job run the vLLM
-    servers and the others train. Returns this rank's server index, or ``None`` on a training
-    rank, whose ``WORLD_SIZE`` then counts the training ranks only (they form the process
-    group; the servers are no members). Call before :func:`init_process_group`."""
+    """``rollout.num_ranks``: that many ranks of the torchrun job run the vLLM servers and the
+    others train (which ones: :func:`assign_roles`, from each node's ``RLEP_NODE_ROLE``).
+    Returns this rank's server index, or ``None`` on a training rank, whose ``RANK`` and
+    ``WORLD_SIZE`` then count the training ranks only (they form the process group; the
+    servers are no members). Call before :func:`init_process_group`."""
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         raise ValueError("rollout.num_ranks needs a torchrun launch (its last ranks start the "
                          "vLLM servers); with no launcher, start a server yourself and give "
                          "rollout.server_urls")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    own = _node_role()
     if num_ranks >= world:
-        raise ValueError(f"rollout.num_ranks={num_ranks} leaves no training rank in a job of "
-                         f"{world}; launch more processes (torchrun --nproc-per-node) or "
-                         f"lower it")
-    train = world - num_ranks
-    if rank >= train:
-        return rank - train
-    os.environ["WORLD_SIZE"] = str(train)
+        assign_roles([own] * world, num_ranks)  # the error, before any store is reached
+    if own is None and "TORCHELASTIC_RUN_ID" not in os.environ:
+        roles = [None] * world  # a hand-made launch without roles: the last ranks serve
+    else:
+        store = job_store()
+        store.set(f"{_ROLE_KEY}{rank}", own or "")
+        roles = [store.get(f"{_ROLE_KEY}{r}").decode() or None for r in range(world)]
+    part, number = assign_roles(roles, num_ranks)[rank]
+    if part == "rollout":
+        return number
+    os.environ["RANK"] = str(number)
+    os.environ["WORLD_SIZE"] = str(world - num_ranks)
     return None
 
 

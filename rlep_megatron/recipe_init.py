@@ -105,27 +105,36 @@ def make_recipe(model_dir: str, train_files: list[str], val_files: list[str], gp
     return raw, name, notes
 
 
-def launch_command(recipe: str, gpus: int, nodes: int) -> str:
+def launch_command(recipe: str, gpus: int, nodes: int, roles: bool = False) -> str:
+    """``roles``: some nodes generate (``rollout.num_ranks``): each node's line says which."""
     if gpus * nodes == 1:
         return f"rlep train --config {recipe}"
     if nodes == 1:
         return f"scripts/train_local.sh {gpus} {recipe}"
-    return (f"NNODES={nodes} NODE_RANK=<this node> MASTER_ADDR=<node 0> "
+    role = "NODE_ROLE=<train|rollout> " if roles else ""
+    return (f"NNODES={nodes} NODE_RANK=<this node> {role}MASTER_ADDR=<node 0> "
             f"GPUS_PER_NODE={gpus} scripts/train_multinode.sh {recipe}")
 
 
 RENDEZVOUS_PORT = 29500
 
 
-def torchrun_lines(recipe: str, gpus: int, nodes: int, job: str = "train") -> list[str]:
+def torchrun_lines(recipe: str, gpus: int, nodes: int, job: str = "train",
+                   rollout_nodes: int = 0) -> list[str]:
     """The raw ``torchrun`` line of each node (``$MASTER_ADDR``: node 0's address, left to the
     shell), what ``scripts/train_multinode.sh`` and the Slurm template of docs/multinode.md
-    run: a c10d rendezvous hosted on node 0, ``gpus`` ranks per node."""
+    run: a c10d rendezvous hosted on node 0, ``gpus`` ranks per node. With ``rollout_nodes``
+    the last nodes' lines set ``RLEP_NODE_ROLE=rollout`` and the others ``train``."""
     if nodes == 1:
         return [f"torchrun --standalone --nproc-per-node {gpus} -m rlep_megatron.cli {job} "
                 f"--config {recipe}"]
     endpoint = f"$MASTER_ADDR:{RENDEZVOUS_PORT}"
-    return [f"torchrun --nnodes {nodes} --node-rank {rank} --nproc-per-node {gpus} "
+
+    def role(rank: int) -> str:
+        if not rollout_nodes:
+            return ""
+        return f"RLEP_NODE_ROLE={'rollout' if rank >= nodes - rollout_nodes else 'train'} "
+    return [f"{role(rank)}torchrun --nnodes {nodes} --node-rank {rank} --nproc-per-node {gpus} "
             f"--rdzv-backend c10d --rdzv-endpoint {endpoint} "
             f"--rdzv-id rlep-$MASTER_ADDR-{RENDEZVOUS_PORT} --rdzv-conf is_host={int(rank == 0)} "
             f"-m rlep_megatron.cli {job} --config {recipe}" for rank in range(nodes)]
@@ -203,16 +212,16 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
               + ").",
               "# Every key: docs/CONFIG.md (`rlep config --reference`). Check before launch: "
               f"`rlep config --config {path}`.",
-              f"# Launch: {launch_command(path, gpus, nodes)}"]
+              f"# Launch: {launch_command(path, gpus, nodes, bool(rollout_nodes))}"]
     header += [f"# adapted: {note}" for note in notes]
     text = "\n".join(header) + "\n" + yaml.safe_dump(raw, sort_keys=False)
     write_file_atomic(path, text)
     for note in notes:
         print(f"adapted: {note}")
     print(f"wrote {path} (from examples/{name})\nnext: rlep config --config {path}\n"
-          f"then: {launch_command(path, gpus, nodes)}")
+          f"then: {launch_command(path, gpus, nodes, bool(rollout_nodes))}")
     if gpus * nodes > 1:
-        lines = torchrun_lines(path, gpus, nodes)
+        lines = torchrun_lines(path, gpus, nodes, rollout_nodes=rollout_nodes)
         where = ("" if nodes == 1 else
                  " (each node its own line; MASTER_ADDR: node 0's address on the network the "
                  "nodes share)")
@@ -224,7 +233,9 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
             print(f"  node r = 2 .. {nodes - 1}: node 1's line with --node-rank r")
     if rollout_nodes:
         print(f"nodes {training_nodes} .. {nodes - 1} (the last {rollout_nodes}) start the vLLM "
-              "servers; the others train")
+              "servers (NODE_ROLE=rollout, or RLEP_NODE_ROLE=rollout before torchrun); the "
+              "others train (NODE_ROLE=train). Set the role on every node: torchrun numbers "
+              "the nodes in its own order, not by NODE_RANK")
     if rollout_servers:
         print(f"start each rollout server first (one per URL in rollout.server_urls; its port "
               f"in --port):\n  {serve_command(raw)}")

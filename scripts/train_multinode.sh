@@ -7,7 +7,10 @@
 # the route to MASTER_ADDR leaves from) is this node's address on that network, given to
 # torchrun as --local-addr so that the ranks' process group reaches node 0 on it too.
 # Optional: GPUS_PER_NODE (default 8), MASTER_PORT (default 29500), IFNAME (the interface of
-# that network: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), PYTHON (see scripts/_launch_env.sh).
+# that network: GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), PYTHON (see scripts/_launch_env.sh),
+# NODE_ROLE (train or rollout, with rollout.placement=separate and rollout.num_ranks: the ranks
+# of rollout nodes start the vLLM servers; set it on every node, as torchrun numbers the nodes
+# in its own order, not by NODE_RANK).
 # torchrun's c10d rendezvous waits for all NNODES nodes, then starts GPUS_PER_NODE ranks each.
 set -euo pipefail
 if [ "$#" -lt 1 ]; then
@@ -35,8 +38,14 @@ case "${NODE_ADDR:-}" in
     127.*) NODE_ADDR="" ;;   # a loopback address (e.g. the hostname on 127.0.1.1) is no node address
 esac
 IS_HOST=$([ "$NODE_RANK" = "0" ] && echo 1 || echo 0)
+case "${NODE_ROLE:-}" in
+    "") ;;
+    train|rollout) export RLEP_NODE_ROLE="$NODE_ROLE" ;;
+    *) echo "train_multinode.sh: NODE_ROLE=$NODE_ROLE: a node's role is train or rollout" >&2
+       exit 2 ;;
+esac
 echo "train_multinode.sh: node $NODE_RANK/$NNODES (${NODE_ADDR:-address unknown}), rendezvous" \
-     "$MASTER_ADDR:$MASTER_PORT, $GPUS_PER_NODE ranks, python $PYTHON," \
+     "$MASTER_ADDR:$MASTER_PORT, $GPUS_PER_NODE ranks, role ${NODE_ROLE:-unset}, python $PYTHON," \
      "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-unset} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-unset}"
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d \

@@ -45,17 +45,20 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
-SEPARATE = ("rollout.placement=separate", "rollout.num_ranks=1", "trainer.max_staleness=1")
+SEPARATE = ("rollout.placement=separate", "rollout.num_ranks=1", "trainer.max_staleness=1",
+            "algo.rollout_correction=truncate")
 
 
 @pytest.mark.parametrize("placement", ["colocated", "separate"])
 def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, tmp_path,
                                                      placement):
-    """``separate``: node 0 trains, node 1 is the rollout node (its rank starts the vLLM
-    server, which node 0 reaches at node 1's address; the weights go the other way over
-    rlep_gloo)."""
+    """``separate``: the rollout host is listed first (node 0, the rendezvous host, with the
+    lower address, which torchrun's c10d rendezvous numbers first) and trains nothing: its
+    rank starts the vLLM server (``NODE_ROLE=rollout``), which the training host reaches at
+    the rollout host's address; the weights go the other way over rlep_gloo."""
     task = small_task(str(tmp_path / "task"))
     extra = SEPARATE if placement == "separate" else ()
+    roles = ["rollout", "train"] if placement == "separate" else [None, None]
     args = lambda out: [*train_overrides(tiny_qwen2_dir, task, str(out), steps=2),  # noqa: E731
                         "trainer.validation_interval_steps=1", *extra]
     master = two_hosts[0][1]
@@ -63,7 +66,8 @@ def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, t
     for node_rank, (namespace, _, interface) in enumerate(two_hosts):
         env = _env({"NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": master,
                     "MASTER_PORT": "29500", "GPUS_PER_NODE": "1", "IFNAME": interface,
-                    "PYTHON": sys.executable})
+                    "PYTHON": sys.executable,
+                    **({"NODE_ROLE": roles[node_rank]} if roles[node_rank] else {})})
         nodes.append(subprocess.Popen(
             ["ip", "netns", "exec", namespace, "bash",
              os.path.join(REPO_ROOT, "scripts", "train_multinode.sh"),
@@ -91,6 +95,8 @@ def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, t
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
     assert multi[2]["train/grad_norm"] > 0
     if placement == "separate":
-        # the server ran on node 1, and the trainer on node 0 used it at node 1's address
-        assert f"vLLM server(s) at http://{two_hosts[1][1]}:" in outputs[0], outputs[0][-3000:]
+        # the server ran on the rollout host (node 0), and the trainer on the training host
+        # (node 1) used it at the rollout host's address
+        assert f"vLLM server(s) at http://{two_hosts[0][1]}:" in outputs[1], outputs[1][-3000:]
+        assert "role rollout" in outputs[0] and "role train" in outputs[1]
         assert (tmp_path / "nodes" / "rollout_server_0.log").exists()

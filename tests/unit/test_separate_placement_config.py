@@ -140,3 +140,24 @@ def test_version_spans_of_a_generate_response():
     choice["logprobs"]["content"][1]["token_id"] = 99
     with pytest.raises(RolloutServerError, match="not those of the sampled tokens"):
         _parse_choice(choice, 9)
+
+
+def test_rollout_ranks_follow_the_node_roles_not_the_rank_order():
+    """torchrun's c10d rendezvous numbers nodes in its own order: with NODE_ROLE set, the
+    ranks of rollout nodes serve wherever they land, the trainers keep their order and are
+    renumbered from 0; without roles, the last rollout.num_ranks ranks serve."""
+    from rlep_megatron.distributed import assign_roles
+
+    assert assign_roles([None] * 4, 2) == [("train", 0), ("train", 1), ("rollout", 0),
+                                           ("rollout", 1)]
+    # the rollout node numbered first (2 ranks per node)
+    assert assign_roles(["rollout", "rollout", "train", "train"], 2) == [
+        ("rollout", 0), ("rollout", 1), ("train", 0), ("train", 1)]
+    assert assign_roles(["train", "rollout", "train"], 1) == [
+        ("train", 0), ("rollout", 0), ("train", 1)]
+    with pytest.raises(ValueError, match="not on global ranks \\[1\\]"):
+        assign_roles(["rollout", None], 1)
+    with pytest.raises(ValueError, match="rollout.num_ranks=1, but 2 rank"):
+        assign_roles(["rollout", "rollout", "train"], 1)
+    with pytest.raises(ValueError, match="leaves no training rank"):
+        assign_roles(["rollout", "rollout"], 2)
