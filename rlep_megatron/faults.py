@@ -71,6 +71,12 @@ def check(phase: str, rank: int, step: Optional[int] = None) -> None:
     if wanted_phase != phase:
         return
     if action == "raise" and number == rank:
+        import sys
+        import time
+
+        # when it struck, for a test that measures how soon the job ends after it
+        print(f"{ENV}: raising in phase {phase} on rank {rank} at {time.time():.3f}",
+              file=sys.stderr, flush=True)
         raise InjectedFault(f"{ENV}: injected failure in phase {phase!r} on rank {rank}")
     if action == "hang" and step == number:
         import threading

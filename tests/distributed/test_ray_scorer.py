@@ -19,7 +19,8 @@ def test_ray_pool_times_out_a_hang():
         start = time.monotonic()
         results = pool.score(requests)
         elapsed = time.monotonic() - start
-    assert elapsed < 3.0 + 2.0
+    # the tower alone takes minutes; the slack holds on a machine under twice its load
+    assert elapsed < 3.0 + 12.0
     assert results[10]["timed_out"] and results[10]["score"] == -1.0
     others = results[:10] + results[11:]
     assert [r["acc"] for r in others] == [bool(i % 2) for i in range(40)]

@@ -52,16 +52,35 @@ def train_overrides(model_dir: str, task: dict[str, str], out: str, steps: int) 
             "checkpoint.save_interval_steps=2", f"trainer.output_dir={out}"]
 
 
-def run_rlep(args: list[str], nproc: int = 1, timeout_s: float = 900,
+# a tiny job takes well under a minute; this bounds a hung one (the suite's per-test deadline,
+# pytest.ini's timeout, is longer: a test that runs several jobs has time for each)
+JOB_TIMEOUT_S = 420
+
+
+def run_rlep(args: list[str], nproc: int = 1, timeout_s: float = JOB_TIMEOUT_S,
              check: bool = True, env: dict[str, str] | None = None
              ) -> subprocess.CompletedProcess:
+    """``rlep <args>`` (under torchrun for ``nproc`` > 1), its output captured; a job still
+    running after ``timeout_s`` is killed with every process it started, and the test fails
+    with the tail of its output."""
     if nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", "-m", "rlep_megatron.cli", *args]
     else:
         command = [sys.executable, "-m", "rlep_megatron.cli", *args]
-    proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(env), capture_output=True,
-                          text=True, timeout=timeout_s)
+    job = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = job.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_job(job)
+        stdout, stderr = job.communicate()
+        raise AssertionError(f"rlep {args[0]} still running after {timeout_s:.0f} s: killed\n"
+                             f"{(stdout + stderr)[-6000:]}") from None
+    except BaseException:  # the suite's per-test deadline, or ^C: no orphans left running
+        kill_job(job)
+        raise
+    proc = subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"rlep {args[0]} failed ({proc.returncode}):\n"
                              f"{(proc.stdout + proc.stderr)[-6000:]}")
@@ -97,9 +116,18 @@ def kill_job(proc) -> None:
     starts each worker in a session of its own), then torchrun."""
     import psutil
 
-    family = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
     for process in family:
-        process.send_signal(signal.SIGKILL)
-    os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.wait()
     psutil.wait_procs(family, timeout=30)

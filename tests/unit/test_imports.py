@@ -23,7 +23,9 @@ def test_package_import_is_light():
                          check=True).stdout.strip().splitlines()[-1]
     heavy, package_seconds = eval(out)
     assert heavy == [], f"imported at import time: {heavy}"
-    assert package_seconds < 1.0
+    # the package alone: a few hundredths of a second; importing megatron-core or vLLM by
+    # mistake takes several seconds (margin for a machine under twice its load)
+    assert package_seconds < 2.5, package_seconds
 
 
 PURE_PACKAGES = ("algo", "reward", "replay", "data")

@@ -69,7 +69,9 @@ def test_huge_inputs_are_fast():
     huge = "1+1=2. " * 200_000 + "Answer: 42"
     start = time.monotonic()
     assert compute_score("math_dapo", huge, "42")["acc"]
-    assert time.monotonic() - start < 0.5
+    # linear-time matching takes hundredths of a second; a backtracking pattern on 1.4 MB
+    # takes minutes (margin for a machine under twice its load)
+    assert time.monotonic() - start < 2.0
 
 
 def test_unknown_source_lists_known_and_how_to_register():
@@ -137,8 +139,9 @@ def test_pool_times_out_a_hang_without_stalling_the_batch():
     start = time.monotonic()
     results = pool.score(requests)
     elapsed = time.monotonic() - start
-    # the tower alone takes minutes; slack covers worker start-up and a restart on a busy machine
-    assert elapsed < timeout_s + 4.0
+    # the tower alone takes minutes; slack covers worker start-up and a restart on a machine
+    # under twice its load
+    assert elapsed < timeout_s + 12.0
     assert results[150] == {"score": -1.0, "acc": False, "pred": "", "timed_out": True}
     others = results[:150] + results[151:]
     assert [r["acc"] for r in others] == [bool(i % 3) for i in range(300)]
