@@ -18,9 +18,10 @@
 #
 # (2.6 MB; add any other package the preflight reports missing the same way). The engine's and
 # TransformerEngine's tests then skip, each with its reason; every local-spec test runs. Each
-# step has a time limit (tests 4 minutes, the MoE bench 1.5, each actor bench 1.5), so that the
-# whole check ends within 8 minutes: one 10-minute call of a lent machine. The table is printed
-# whenever the script ends, with what finished.
+# step has a time limit (the tests 150 s, the MoE bench 45 s, each actor bench 45 s: 285 s,
+# printed at the start), so that the whole check ends within 5 minutes after the preflight. The
+# table, one row per test and per bench, is printed whenever the script ends, with what
+# finished (docs/install.md: its format).
 #
 # Before anything needs a GPU, a preflight checks the interpreter, the imports and the
 # collection of the GPU tests. Without a visible CUDA device the script stops after it and
@@ -109,7 +110,9 @@ fi
 
 # --- on the GPU ---------------------------------------------------------------------------
 DEVICE=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())')
-echo "gpu_check.sh: $DEVICE, torch $("$PYTHON" -c 'import torch; print(torch.__version__)')"
+LIMITS=(150 45 45 45)  # the tests, the MoE bench, the two actor benches
+echo "gpu_check.sh: $DEVICE, torch $("$PYTHON" -c 'import torch; print(torch.__version__)');" \
+     "at most $(( LIMITS[0] + LIMITS[1] + LIMITS[2] + LIMITS[3] )) s from here"
 status=0
 LOG="$(mktemp)"
 summary() {
@@ -130,10 +133,20 @@ timed() {  # seconds, command...: runs it, appends its output to $LOG, sets $out
     elapsed=$((SECONDS - start))
     return $code
 }
-if timed 240 "$PYTHON" -m pytest -m gpu -q -rs tests/gpu; then verdict=passed; else
-    verdict=FAILED; status=1; fi
+if timed "${LIMITS[0]}" "$PYTHON" -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu; then
+    verdict=passed; else verdict=FAILED; status=1; fi
+# one row per test: pytest's short summary (-rA) lines "PASSED|FAILED|SKIPPED|ERROR ... test"
+echo "$out" | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | while read -r state rest; do
+    if [ "$state" = SKIPPED ]; then   # "SKIPPED [n] file:line: reason"
+        row "tests skipped" "SKIPPED" "$(echo "$rest" | cut -c1-120)"
+        continue
+    fi
+    name=${rest%% - *}
+    why=$([ "$rest" != "$name" ] && echo "${rest#* - }" | cut -c1-120)
+    row "test ${name##*::}" "$state" "${why:-}"
+done
 row "GPU tests (${elapsed}s)" "$verdict" "$(echo "$out" | grep -E '[0-9]+ (passed|failed)' | tail -1 | tr -d '=')"
-if timed 90 "$PYTHON" bench/moe_experts.py --tokens 16384 --repeats 10; then
+if timed "${LIMITS[1]}" "$PYTHON" bench/moe_experts.py --tokens 16384 --repeats 5; then
     speed=$(echo "$out" | grep '^| grouped' | awk -F'|' '{print $4}')
     parity=$(echo "$out" | grep '^max relative difference' | sed 's/.*: //')
     # bf16: the two paths' GEMMs may accumulate in another order, not more than bf16 rounding
@@ -146,7 +159,7 @@ else
 fi
 for args in "" "--micro-batch 1 --seq-len 8192"; do
     # shellcheck disable=SC2086
-    if timed 90 "$PYTHON" bench/actor_throughput.py $args; then
+    if timed "${LIMITS[2]}" "$PYTHON" bench/actor_throughput.py $args; then
         # the bench's row: "B x S | step | tokens/s | TFLOP/s | MFU | peak | before | above"
         line=$(echo "$out" | grep -E '^[0-9]+ x [0-9]+ \|' | tail -1 \
                | awk -F'|' '{print "MFU" $5 "; GiB before the step, measured / planner" $7 "; step above it" $8}')
