@@ -177,6 +177,10 @@ class RolloutConfig:
     """``placement: separate``: a server that does not answer its health check for this long
     ends the job with an error naming it. A weight transfer to the servers waits at most
     ``max(300, server_timeout_s)`` seconds before it ends the job naming them."""
+    server_log_requests: bool = False
+    """``placement: separate``: a server started by a rollout rank logs every request it
+    receives in ``<output_dir>/rollout_server_<i>.log`` (vLLM's ``--enable-log-requests``);
+    each request's id names the trainer process that sent it (``rlep-<pid>-<n>``)."""
     server_gpu_memory_utilization: float = 0.85
     """``placement: separate``: fraction of GPU memory a rollout server started by a rollout
     rank takes for weights and KV cache. The server owns its GPU, so this is higher than

@@ -81,6 +81,8 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
             "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--weight-transfer-config", json.dumps({"backend": backend}),
             "--load-format", "dummy", "--disable-uvicorn-access-log"]
+    if getattr(cfg, "server_log_requests", False):
+        args.append("--enable-log-requests")
     if cuda:  # the server owns its GPU (no actor beside it)
         args += ["--gpu-memory-utilization", str(cfg.server_gpu_memory_utilization)]
     else:

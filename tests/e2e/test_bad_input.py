@@ -24,17 +24,51 @@ def task(tmp_path_factory):
     return small_task(str(tmp_path_factory.mktemp("task")))
 
 
+_CAPTURE = {}
+
+
+@pytest.fixture(autouse=True)
+def in_process(capfd, monkeypatch):
+    """The commands run in this process (no model is built before these errors, so a
+    process of their own would only add its start-up); as in a test's subprocess, no GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _CAPTURE["fd"] = capfd
+    yield
+    _CAPTURE.clear()
+
+
 def expect_error(args, *needles):
+    """``rlep <args>`` in this process: exit code 2 with each needle in its output, before
+    torch.distributed or the rollout engine start."""
+    import torch
+
+    from rlep_megatron.cli import main
+
+    capture = _CAPTURE["fd"]
+    capture.readouterr()
     start = time.monotonic()
-    proc = run_rlep(args, check=False, timeout_s=300)
+    code = main(list(args))
     elapsed = time.monotonic() - start
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 2, output[-3000:]
+    out, err = capture.readouterr()
+    output = out + err
+    assert code == 2, output[-3000:]
     for needle in needles:
         assert needle in output, (needle, output[-3000:])
     assert elapsed < FAST_S, elapsed
     assert "rollout engine ready" not in output
+    assert not torch.distributed.is_initialized(), "the process group started before the error"
     return output
+
+
+def test_a_bad_input_ends_the_program_with_exit_code_2(tiny_qwen2_dir, task, tmp_path):
+    """The program itself (the others call its main in this process): exit code 2 and the
+    error on stderr, before any model."""
+    proc = run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                     *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), steps=1),
+                     "rollout.num_samples_per_prompts=4"], check=False, timeout_s=300)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert "rollout.num_samples_per_prompt" in proc.stderr
+    assert "rollout engine ready" not in proc.stdout + proc.stderr
 
 
 def test_config_key_typo_lists_valid_keys(tiny_qwen2_dir, task, tmp_path):

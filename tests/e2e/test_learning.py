@@ -31,7 +31,12 @@ partly generated under the previous weights, the rollout correction weighing eve
 version that sampled it), and of a mixture-of-experts actor (the tiny Qwen3-MoE) whose updates
 are routed through the rollout engine's experts.
 """
+import inspect
+import json
+import os
+import shutil
 import statistics
+import warnings
 
 import pytest
 
@@ -39,6 +44,7 @@ from rlep_megatron.tiny_model import make_tiny_model
 from rlep_megatron.tiny_task import make_tiny_task, warm_start
 from tests.e2e.helpers import read_jsonl, recipe, run_rlep
 from tests import requires
+from tests.torchrun import REPO_ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -62,12 +68,63 @@ def task(tmp_path_factory):
     return learnable_task(str(tmp_path_factory.mktemp("learnable") / "task"))
 
 
+# The warm starts these tests train from ship as test data (tests/data/warm_start/<arch>-seed<N>,
+# with the digest of what makes them): most of the tests' time was building them on every run.
+SHIPPED = os.path.join(REPO_ROOT, "tests", "data", "warm_start")
+WARM_START_THREADS = 2  # pinned: torch's default follows the machine's cores, and so would the floats
+RECORD_ENV = "RLEP_RECORD_WARM_STARTS"  # =1: build them and write them to SHIPPED
+
+
+def warm_start_digest(arch: str, seed: int) -> str:
+    """What a warm start depends on: the sources that make the model, the task and the warm
+    start, their settings here, the thread count and torch's minor version."""
+    import hashlib
+
+    import torch
+
+    import rlep_megatron.tiny_model as tiny_model
+    import rlep_megatron.tiny_task as tiny_task
+
+    digest = hashlib.sha256()
+    for module in (tiny_model, tiny_task):
+        digest.update(open(module.__file__, "rb").read())
+    digest.update(repr((arch, seed, WARM_START_STEPS, 3e-3, WARM_START_THREADS,
+                        torch.__version__.split("+")[0].rsplit(".", 1)[0],
+                        inspect.getsource(learnable_task))).encode())
+    return digest.hexdigest()
+
+
 def warm_started(task, root, arch: str, seed: int = 0) -> str:
     """The tiny ``arch`` model, its weights and the warm start's batch order seeded with
-    ``seed``, warm-started on ``task``'s solutions."""
-    model = make_tiny_model(str(root / "model"), seed=seed, arch=arch)
-    warm_start(model, task["solutions"], steps=WARM_START_STEPS, lr=3e-3, seed=seed,
-               show_progress=False)
+    ``seed``, warm-started on ``task``'s solutions: the shipped copy when its digest is that
+    of the sources here, else built (with ``RLEP_RECORD_WARM_STARTS=1``, and shipped)."""
+    import torch
+
+    digest = warm_start_digest(arch, seed)
+    shipped = os.path.join(SHIPPED, f"{arch}-seed{seed}")
+    manifest = os.path.join(shipped, "manifest.json")
+    model = str(root / "model")
+    if (os.environ.get(RECORD_ENV) != "1" and os.path.isfile(manifest)
+            and json.load(open(manifest))["digest"] == digest):
+        shutil.copytree(shipped, model, ignore=shutil.ignore_patterns("manifest.json"))
+        return model
+    if os.environ.get(RECORD_ENV) != "1":
+        warnings.warn(f"{shipped} is missing or stale (its sources changed): building the warm "
+                      f"start here; ship it again with {RECORD_ENV}=1")
+    make_tiny_model(model, seed=seed, arch=arch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WARM_START_THREADS)
+    try:
+        warm_start(model, task["solutions"], steps=WARM_START_STEPS, lr=3e-3, seed=seed,
+                   show_progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    if os.environ.get(RECORD_ENV) == "1":
+        shutil.rmtree(shipped, ignore_errors=True)
+        shutil.copytree(model, shipped)
+        with open(manifest, "w") as f:
+            json.dump({"digest": digest, "arch": arch, "seed": seed,
+                       "steps": WARM_START_STEPS, "threads": WARM_START_THREADS}, f, indent=1)
     return model
 
 

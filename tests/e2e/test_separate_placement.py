@@ -71,7 +71,13 @@ def test_two_trainer_ranks_share_one_server(inputs, tmp_path):  # noqa: F811
     talks to the server; the other trainer gets the responses through the gather and takes
     part in every pause and weight update without a server connection of its own."""
     out = tmp_path / "run"
-    run_rlep(args_for(inputs, out, 4, *SEPARATE), nproc=3)
+    run_rlep(args_for(inputs, out, 4, *SEPARATE, "rollout.server_log_requests=true"), nproc=3)
     entries = read_jsonl(out / "metrics.jsonl")[1:]
     assert [e["rollout/staleness_max"] for e in entries] == [0, 1, 0, 1]
     assert all(e["rollout/logprob_abs_diff/current"] <= 1e-4 for e in entries)
+    # counted where the requests arrive: every generate request the server received carries
+    # the id of one and the same trainer process (rlep-<pid>-<n>)
+    log = (out / "rollout_server_0.log").read_text()
+    senders = re.findall(r"Received request \S*?rlep-(\d+)-\d+", log)
+    assert len(senders) >= 4 * 4 * 4, len(senders)  # 4 steps x 4 prompts x G = 4 at least
+    assert len(set(senders)) == 1, sorted(set(senders))
