@@ -144,6 +144,30 @@ def check_run_config(cfg: RunConfig, command: str = "config") -> None:
                          + "\n  - ".join(problems))
 
 
+def preflight(cfg: RunConfig, command: str = "config"):
+    """Every check ``rlep train`` runs before its first expensive step, in one place, which
+    ``rlep config`` and ``rlep init`` run too (so they cannot disagree with the job): the
+    installed loggers, :func:`check_run_config`, and, for ``config`` and ``train``, the data
+    (each file's schema, a reward for every ``data_source`` with the configured function called
+    on a sample, the pool's overlap with the training questions) and the batch size against
+    the dataset. Returns ``(train_rows, val_rows, pool)`` for ``config`` and ``train`` (what
+    the trainer goes on with), else None. Builds no model."""
+    from rlep_megatron.metrics import check_loggers
+
+    check_loggers(cfg.trainer.loggers)
+    check_run_config(cfg, command)
+    if command not in ("config", "train"):
+        return None
+    from rlep_megatron.data.sampler import PromptSampler
+    from rlep_megatron.rollout.side import load_training_data
+
+    data = load_training_data(cfg)
+    # data.drop_last: a dataset smaller than one batch gives no batch at all
+    PromptSampler(len(data[0]), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle,
+                  cfg.data.drop_last)
+    return data
+
+
 def _gpu_engine() -> bool:
     """Whether the rollout engine would run on a GPU (no CUDA initialisation)."""
     from rlep_megatron import platform

@@ -66,7 +66,7 @@ def _add_job_size(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rlep_megatron.checks import check_run_config
+    from rlep_megatron.checks import preflight
 
     if args.keys:
         print("\n".join(config_lib.valid_keys()))
@@ -76,7 +76,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         return 0
     cfg = config_lib.load_config(args.config, args.overrides)
     if not args.no_files:
-        check_run_config(cfg, "config")
+        preflight(cfg, "config")  # what rlep train checks before it builds anything
     print(yaml.safe_dump(config_lib.config_to_dict(cfg), sort_keys=False), end="")
     return 0
 

@@ -52,6 +52,17 @@ def _model_config(model_dir: str) -> dict:
     return hf
 
 
+def _training_rows(paths: list[str]) -> Optional[int]:
+    """The rows of the training files, from their parquet metadata (None if one is not a
+    readable parquet file: the pre-flight says what is wrong with it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return sum(pq.ParquetFile(path).metadata.num_rows for path in paths)
+    except Exception:  # noqa: BLE001 - reported by the pre-flight, with the file named
+        return None
+
+
 def make_recipe(model_dir: str, train_files: list[str], val_files: list[str], gpus: int = 1,
                 nodes: int = 1, pool: str = "", output_dir: str = "",
                 reward_function: str = "") -> tuple[dict, str, list[str]]:
@@ -94,6 +105,17 @@ def make_recipe(model_dir: str, train_files: list[str], val_files: list[str], gp
         raw["parallel"]["sequence_parallel"] = True
         notes.append("parallel.sequence_parallel -> true (a mixture-of-experts model at TP > 1 "
                      "needs it); parallel.expert_model_parallel_size splits the experts")
+    # a dataset smaller than the template's batch (a first try on a small file): one batch of
+    # all its rows, rather than a recipe that the pre-flight refuses (drop_last: no batch)
+    rows = _training_rows(train_files)
+    batch = raw["data"]["train_batch_size"]
+    if rows is not None and 0 < rows < batch:
+        raw["data"]["train_batch_size"] = rows
+        mini = raw["trainer"].get("mini_batch_size", rows)
+        raw["trainer"]["mini_batch_size"] = min(mini, rows)
+        notes.append(f"data.train_batch_size {batch} -> {rows}"
+                     + (f", trainer.mini_batch_size {mini} -> {rows}" if mini > rows else "")
+                     + f": the training files hold {rows} rows")
     positions = hf.get("max_position_embeddings")
     prompt, response = raw["data"]["max_prompt_tokens"], raw["rollout"]["max_response_tokens"]
     if isinstance(positions, int) and prompt + response > positions:
@@ -188,7 +210,7 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
                  rollout_servers: tuple = ()) -> dict:
     """Make, check (as ``rlep config`` does) and write the recipe; returns it. With
     ``rollout_nodes`` the job has that many more nodes, which generate."""
-    from rlep_megatron.checks import check_run_config
+    from rlep_megatron.checks import preflight
     from rlep_megatron.config import config_from_dict
 
     if os.path.exists(path) and not force:
@@ -202,7 +224,7 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
     cfg = config_from_dict(raw)
     saved = os.environ.pop("WORLD_SIZE", None)  # checked for the recipe's own world size
     try:
-        check_run_config(cfg, "config")
+        preflight(cfg, "config")
     finally:
         if saved is not None:
             os.environ["WORLD_SIZE"] = saved

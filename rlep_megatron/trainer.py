@@ -116,14 +116,14 @@ class Trainer:
         from rlep_megatron.actor.learner import LearningSide
         from rlep_megatron.checkpoint.hf_io import load_hf_config
         from rlep_megatron.checkpoint.resume import CheckpointManager
-        from rlep_megatron.checks import check_run_config
-        from rlep_megatron.metrics import check_loggers
-        from rlep_megatron.rollout.side import RolloutSide, load_training_data
+        from rlep_megatron.checks import preflight
+        from rlep_megatron.rollout.side import RolloutSide
 
         self.cfg = cfg
         faults.target()  # a malformed RLEP_FAULT_INJECT fails here, not mid-run
-        check_loggers(cfg.trainer.loggers)
-        check_run_config(cfg, "train")  # files, layout against the model, resume target
+        # loggers, files, layout against the model, resume target; the data, the pool and the
+        # batch size against the dataset: before any expensive set-up (what rlep config runs)
+        train_rows, self.val_rows, pool = preflight(cfg, "train")
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         if cfg.model.mcore_dir:
             if not os.path.isdir(cfg.model.mcore_dir):
@@ -132,8 +132,6 @@ class Trainer:
                 from rlep_megatron.checkpoint.dist import check_checkpoint_model
 
                 check_checkpoint_model(cfg.model.mcore_dir, self.hf_config)
-        # data, pool and checkpoint checks before any expensive set-up
-        train_rows, self.val_rows, pool = load_training_data(cfg)
         self.checkpoints = CheckpointManager(cfg, self.hf_config)
         self.checkpoints.check_output_dir()
         self.learner = LearningSide(cfg, self.hf_config)

@@ -165,7 +165,8 @@ def runnable(tmp_path, tiny_qwen2_dir):
     task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
     return [f"model.hf_dir={tiny_qwen2_dir}", f"data.train_files=[{task['train']}]",
             f"data.val_files=[{task['val']}]", "data.max_prompt_tokens=128",
-            "rollout.max_response_tokens=256"]  # within the model's 2048 positions
+            "rollout.max_response_tokens=256",  # within the model's 2048 positions
+            "data.train_batch_size=4"]  # the 4 training rows are one batch
 
 
 MISTAKES = [  # (override, what the one line must say)
@@ -232,7 +233,8 @@ def test_engine_routing_replay_is_checked_for_a_gpu_engine(tmp_path, tiny_qwen3_
     task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
     moe = [f"model.hf_dir={tiny_qwen3_moe_dir}", f"data.train_files=[{task['train']}]",
            f"data.val_files=[{task['val']}]", "data.max_prompt_tokens=128",
-           "rollout.max_response_tokens=256", "algo.routing_replay=rollout"]
+           "rollout.max_response_tokens=256", "algo.routing_replay=rollout",
+           "data.train_batch_size=4"]
     monkeypatch.setattr(checks, "_gpu_engine", lambda: True)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     assert main(["config", *moe]) == 0
@@ -252,3 +254,110 @@ def test_rlep_config_lists_every_problem_once(runnable, capsys):
     assert "3 problems in the configuration" in err
     for needle in ("attention heads", "checkpoint.resume='latest'", "missing.parquet"):
         assert err.count(needle) == 1, err
+
+
+def _preflight_case(case: str, tmp_path) -> tuple[list[str], list[str], str]:
+    """(the overrides that break it, those of its clean counterpart, what the error says) for
+    each check of the data that ``rlep config`` shares with ``rlep train``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlep_megatron.data.schema import read_prompt_file
+    from rlep_megatron.replay.writer import pool_rows, write_pool
+    from rlep_megatron.tiny_task import make_tiny_task
+
+    task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
+    if case == "missing column":
+        table = pq.read_table(task["train"])
+        bad = tmp_path / "no_reward_model.parquet"
+        pq.write_table(table.drop(["reward_model"]), bad)
+        return ([f"data.train_files=[{bad}]"], [], f"{bad}: missing column 'reward_model'")
+    if case == "unknown data_source":
+        table = pq.read_table(task["val"])
+        bad = tmp_path / "quiz.parquet"
+        pq.write_table(table.set_column(table.schema.get_field_index("data_source"),
+                                        "data_source", pa.array(["my_quiz"] * table.num_rows)),
+                       bad)
+        return ([f"data.val_files=[{bad}]"], [],
+                "data.val_files: no reward rule for data_source 'my_quiz'")
+    if case == "reward function fails on a sample":
+        module = tmp_path / "reward.py"
+        module.write_text("def bad(data_source, solution_str, ground_truth):\n"
+                          "    return solution_str['score']\n"
+                          "def good(data_source, solution_str, ground_truth):\n"
+                          "    return float(solution_str.strip() == str(ground_truth))\n")
+        return ([f"reward.function={module}:bad"], [f"reward.function={module}:good"],
+                f"reward.function='{module}:bad' failed on a sample of data.train_files")
+    if case == "pool shares no question":
+        def pool_of(rows, path):
+            write_pool(pool_rows(rows, [[f"Answer: {t}"] for t in rows.ground_truth]), path)
+            return path
+        other = make_tiny_task(str(tmp_path / "other"), seed=5, num_train=8, num_val=2,
+                               max_operand=300)
+        foreign = pool_of(read_prompt_file(other["train"]), str(tmp_path / "foreign.parquet"))
+        own = pool_of(read_prompt_file(task["train"]), str(tmp_path / "own.parquet"))
+        replay = ["replay.num_replays_per_prompt=1"]
+        return ([*replay, f"replay.pool_files=[{foreign}]"],
+                [*replay, f"replay.pool_files=[{own}]"],
+                "none of them is a question of the training files")
+    if case == "dataset smaller than one batch":
+        return (["data.train_batch_size=8"], ["data.train_batch_size=4"],
+                "the dataset has 4 rows, fewer than one batch of data.train_batch_size=8")
+    if case == "logger not installed":
+        return (["trainer.loggers=[tensorboard,wandb]"], ["trainer.loggers=[tensorboard]"],
+                "trainer.loggers includes wandb but the wandb package is not installed")
+    raise KeyError(case)
+
+
+PREFLIGHT = ["missing column", "unknown data_source", "reward function fails on a sample",
+             "pool shares no question", "dataset smaller than one batch",
+             "logger not installed"]
+
+
+@pytest.mark.parametrize("case", PREFLIGHT)
+def test_rlep_config_runs_the_jobs_data_checks(case, runnable, capsys, tmp_path, monkeypatch):
+    """What docs/quickstart.md promises of the pre-flight: each problem that ``rlep train``
+    would meet in its data before building anything is an error of ``rlep config`` too (exit
+    2, naming the file and the problem), and its clean counterpart passes."""
+    import importlib.util
+
+    from rlep_megatron.cli import main
+
+    if case == "logger not installed":
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "wandb" else real(name, *a))
+    bad, clean, message = _preflight_case(case, tmp_path)
+    assert main(["config", *runnable, *clean]) == 0
+    capsys.readouterr()
+    assert main(["config", *runnable, *bad]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_init_fits_the_batch_to_a_small_dataset_and_runs_the_preflight(tmp_path, tiny_qwen2_dir,
+                                                                     capsys):
+    """``rlep init`` on a file smaller than its template's batch writes a recipe of one batch
+    of all its rows (said in a note), which the pre-flight then accepts; a file the pre-flight
+    refuses makes init fail naming it, and nothing is written."""
+    import yaml
+    import pyarrow.parquet as pq
+
+    from rlep_megatron.cli import main
+    from rlep_megatron.tiny_task import make_tiny_task
+
+    task = make_tiny_task(str(tmp_path / "task"), seed=0, num_train=4, num_val=2)
+    recipe = str(tmp_path / "r.yaml")
+    assert main(["init", recipe, "--model", tiny_qwen2_dir, "--train", task["train"]]) == 0
+    out = capsys.readouterr().out
+    raw = yaml.safe_load(open(recipe))
+    assert raw["data"]["train_batch_size"] == 4 and raw["trainer"]["mini_batch_size"] <= 4
+    assert "the training files hold 4 rows" in out
+    assert main(["config", "--config", recipe]) == 0
+    broken = tmp_path / "broken.parquet"
+    pq.write_table(pq.read_table(task["train"]).drop(["reward_model"]), broken)
+    capsys.readouterr()
+    assert main(["init", str(tmp_path / "b.yaml"), "--model", tiny_qwen2_dir, "--train",
+                 str(broken)]) == 2
+    assert "missing column 'reward_model'" in capsys.readouterr().err
+    assert not (tmp_path / "b.yaml").exists()

@@ -284,8 +284,9 @@ def test_the_slurm_template_runs_the_torchrun_lines_rlep_init_prints(tmp_path, t
     assert "#SBATCH --nodes=2" in template and "GPUS_PER_NODE=8" in template
 
     # what `rlep init --nodes 2 --gpus-per-node 8` prints for node 0 and node 1
-    source = tmp_path / "train.jsonl"
-    source.write_text('{"problem": "1 + 1?", "answer": "2"}\n')
+    source = tmp_path / "train.jsonl"  # one batch of the multi-node template (512 rows)
+    source.write_text("".join(f'{{"problem": "{i} + 1?", "answer": "{i + 1}"}}\n'
+                              for i in range(512)))
     convert_jsonl(str(source), str(tmp_path / "train.parquet"), "math_dapo")
     cwd = os.getcwd()
     os.chdir(tmp_path)

@@ -101,11 +101,25 @@ def test_a_server_takes_its_own_memory_share(tmp_path):
                                ["rollout.server_gpu_memory_utilization=1.5"])
 
 
+def _one_batch(path: str, rows: int = 512) -> None:
+    """A training file as large as one batch of the multi-node templates (``rlep init`` runs
+    the pre-flight, the batch size against the dataset included)."""
+    import json as json_lib
+
+    from rlep_megatron.data.prepare import convert_jsonl
+
+    source = path + ".jsonl"
+    with open(source, "w") as f:
+        for i in range(rows):
+            f.write(json_lib.dumps({"problem": f"{i} + 1?", "answer": str(i + 1)}) + "\n")
+    convert_jsonl(source, path, "math_dapo")
+
+
 def test_init_writes_rollout_nodes_and_servers(tmp_path, tiny_qwen2_dir, capsys):
     from rlep_megatron.recipe_init import write_recipe
 
     train = str(tmp_path / "train.parquet")
-    open(train, "w").close()
+    _one_batch(train)
     raw = write_recipe(str(tmp_path / "a.yaml"), tiny_qwen2_dir, [train], [], gpus=8, nodes=2,
                        rollout_nodes=1)
     out = capsys.readouterr().out
