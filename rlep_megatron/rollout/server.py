@@ -82,7 +82,7 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
             "--weight-transfer-config", json.dumps({"backend": backend}),
             "--load-format", "dummy", "--disable-uvicorn-access-log"]
     if getattr(cfg, "server_log_requests", False):
-        args.append("--enable-log-requests")
+        args.append("--enable-log-requests")  # INFO lines: serve_environment(log_requests)
     if cuda:  # the server owns its GPU (no actor beside it)
         args += ["--gpu-memory-utilization", str(cfg.server_gpu_memory_utilization)]
     else:
@@ -91,13 +91,16 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
     return args
 
 
-def serve_environment(threads: Optional[int] = None) -> dict[str, str]:
+def serve_environment(threads: Optional[int] = None, log_requests: bool = False
+                      ) -> dict[str, str]:
     """The environment of a rollout server: its weight-update and pause routes on
     (``VLLM_SERVER_DEV_MODE``), no hub, the CPU build's KV cache size, ``threads`` CPU
     threads."""
     env = dict(os.environ)
     env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if log_requests:  # vLLM logs each request at INFO (the job's default level is WARNING)
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -133,7 +136,8 @@ class LocalServer:
                    *serve_arguments(model_dir, cfg, port=self.port, host=host, **kwargs)]
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(command, env=serve_environment(threads),
+        self.process = subprocess.Popen(command, env=serve_environment(
+                                            threads, getattr(cfg, "server_log_requests", False)),
                                         stdout=self._log, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_parent)
 

@@ -34,10 +34,13 @@ def test_killed_and_resumed_equals_the_straight_run(inputs, tmp_path):  # noqa: 
     assert [e["rollout/staleness_max"] for e in entries] == [0, 1, 0, 1, 0, 1]
     # the current version's tokens: the server's log-probs are the actor's
     assert all(e["rollout/logprob_abs_diff/current"] <= 1e-4 for e in entries)
-    # the trainer waits on the server at every update and the server on the trainer while it
-    # trains: each side's idle share is a real part of the step
+    # the server idles through every update (nothing runs on it while the weights change); a
+    # step whose batch it generated within the step kept it busy part of the time, and a step
+    # that trained a batch generated ahead may leave it idle throughout
     idle = [e["timing/server_idle_frac"] for e in entries]
-    assert all(0.0 < value < 1.0 for value in idle), idle
+    assert all(0.0 < value <= 1.0 for value in idle), idle
+    generated = [v for v, e in zip(idle, entries) if e["rollout/staleness_max"] == 0]
+    assert generated and all(value < 1.0 for value in generated), idle
     assert (straight / "rollout_server_0.log").exists()
     killed = tmp_path / "killed"
     args = args_for(inputs, killed, 6, *EXACT)
