@@ -156,6 +156,16 @@ def run_case(args):
     optim_cfg = OptimConfig(lr=1e-3, lr_warmup_steps=0, weight_decay=args.weight_decay,
                             clip_grad=1.0, adam_eps=args.adam_eps,
                             use_distributed_optimizer=args.distributed_optimizer)
+    # forward pre-hooks of the experts' linears (where megatron's DDP gathers a module's updated
+    # shards with the parameter gather overlapped): how often they ran, whichever experts run
+    prehook_calls = [0]
+
+    def count_call(module, inputs):
+        prehook_calls[0] += 1
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if ".local_experts." in name and name.endswith(("linear_fc1", "linear_fc2")):
+                module.register_forward_pre_hook(count_call)
     chunks = wrap_ddp(chunks, optim_cfg.use_distributed_optimizer,
                       overlap_param_gather=args.overlap_param_gather)
     optimizer = build_optimizer(chunks, optim_cfg, info.params_dtype)
@@ -207,7 +217,8 @@ def run_case(args):
                     "schedule_scalar_reads": reads.count,
                     "device": str(next(chunks[0].parameters()).device),
                     "transformer_engine": info.use_te,
-                    "experts_modules": experts_modules}, args.out)
+                    "experts_modules": experts_modules,
+                    "expert_prehook_calls": prehook_calls[0]}, args.out)
 
 
 if __name__ == "__main__":

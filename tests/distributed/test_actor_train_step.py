@@ -286,6 +286,9 @@ def test_grouped_experts_equal_sequential_mlp(tiny_qwen3_moe_dir, request):
         where = f"{nproc} ranks TP{tp} {' '.join(extra)}"
         assert grouped["experts_modules"] == ["TorchGroupedMLP"], where
         assert sequential["experts_modules"] == ["SequentialMLP"], where
+        # the grouped GEMM reads the experts' weights without calling their linears: it runs
+        # their forward pre-hooks itself, as often as SequentialMLP's calls do (rank 0's)
+        assert grouped["expert_prehook_calls"] == sequential["expert_prehook_calls"] > 0, where
         bf16 = "bfloat16" in extra
         tol = dict(rtol=1e-2, atol=1e-2) if bf16 else dict(rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grouped["clean_old_logp"], sequential["clean_old_logp"],
