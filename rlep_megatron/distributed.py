@@ -187,8 +187,15 @@ def split_rollout_ranks(num_ranks: int) -> Optional[int]:
     own = _node_role()
     if num_ranks >= world:
         assign_roles([own] * world, num_ranks)  # the error, before any store is reached
-    if own is None and "TORCHELASTIC_RUN_ID" not in os.environ:
-        roles = [None] * world  # a hand-made launch without roles: the last ranks serve
+    # the roles travel through torchrun's agent store, which exists before any process group
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if own is not None and not agent_store:
+        raise ValueError(f"{ROLE_ENV} needs a torchrun launch (its agent store carries the "
+                         "nodes' roles); with another launcher leave it unset: the last "
+                         "rollout.num_ranks ranks then serve")
+    os.environ.setdefault("RLEP_GLOBAL_RANK", str(rank))  # before any renumbering
+    if not agent_store:
+        roles = [None] * world  # no roles: the last ranks serve
     else:
         store = job_store()
         store.set(f"{_ROLE_KEY}{rank}", own or "")

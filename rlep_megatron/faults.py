@@ -12,9 +12,9 @@
   torchrun it kills the launcher, every process it started (with their children: engines,
   rollout servers) and itself; alone, itself and its children. Used by the resume tests, which
   so kill at a chosen point rather than at whatever a poll of the metrics file sees.
-- ``kill@<phase>:<step>:<rank>`` kills only the process of global rank ``<rank>`` at that
-  point (a rank that runs no trainer phases, such as a rollout rank, is killed by the first
-  rank that gets there); the rest of the job must then end by itself. The killing rank first
+- ``kill@<phase>:<step>:<rank>`` kills only the process of torchrun's global rank ``<rank>``
+  (before rollout ranks are split off) at that point, killed by training rank 0 (so once); the
+  rest of the job must then end by itself. The killing rank first
   prints ``RLEP_FAULT_INJECT: killed rank <rank> at <unix time>`` to stderr.
 - ``hang@<phase>:<step>`` makes every rank that reaches that point wait for ever (how a test
   suite's per-test deadline is shown to work).
@@ -115,13 +115,16 @@ def kill_rank(rank: int) -> None:
 
     import psutil
 
+    if os.environ.get("RANK", "0") != "0":
+        return  # training rank 0 kills (each rank reaching the point would kill once more)
     me = psutil.Process()
     victim = None
-    if os.environ.get("RANK", "0") == str(rank):
+    if os.environ.get("RLEP_GLOBAL_RANK", os.environ.get("RANK", "0")) == str(rank):
         victim = me
     else:
         for process in me.parent().children():
             try:
+                # a process's start-up environment: torchrun's global rank
                 if process.environ().get("RANK") == str(rank):
                     victim = process
             except psutil.Error:

@@ -505,7 +505,8 @@ def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[floa
                          f"{PEAK_HEADROOM:.0%}: little margin for what the estimate leaves "
                          "out" + ("; optim.offload_during_rollout=true frees the gradients "
                                   "and Adam state while vLLM runs"
-                                  if not cfg.optim.offload_during_rollout else ""))
+                                  if not (cfg.optim.offload_during_rollout or separate)
+                                  else ""))
     return {
         "gpus": job_gpus, "train_gpus": gpus, "placement": cfg.rollout.placement,
         "rollout_gpus": (cfg.rollout.num_ranks if cfg.rollout.num_ranks
@@ -605,16 +606,21 @@ def _advice(cfg: RunConfig, fits_train: bool, fits_rollout: bool, rollout: dict)
         out.append("parallel.context_parallel_size=2 or more (activations and logits / CP)")
         out.append("a larger parallel.tensor_model_parallel_size or "
                    "pipeline_model_parallel_size (weights, gradients and activations / TP x PP)")
+    # servers started by rollout ranks: their own memory key, at rollout TP 1
+    ranks = cfg.rollout.placement == "separate" and cfg.rollout.num_ranks > 0
+    memory_key = ("rollout.server_gpu_memory_utilization" if ranks
+                  else "rollout.gpu_memory_utilization")
     if not fits_rollout:
         if rollout["full_length_sequences"] < 1:
-            out.append("rollout.gpu_memory_utilization up, or a larger "
-                       "rollout.tensor_model_parallel_size: the KV cache does not hold one "
-                       "full-length sequence")
+            out.append(f"{memory_key} up, or "
+                       + ("tensor-parallel servers of your own as rollout.server_urls"
+                          if ranks else "a larger rollout.tensor_model_parallel_size")
+                       + ": the KV cache does not hold one full-length sequence")
         else:
-            if not cfg.optim.offload_during_rollout:
+            if not cfg.optim.offload_during_rollout and cfg.rollout.placement != "separate":
                 out.append("optim.offload_during_rollout=true (gradients and Adam state leave "
                            "the GPU while vLLM runs)")
-            out.append("rollout.gpu_memory_utilization down (a smaller KV cache)")
+            out.append(f"{memory_key} down (a smaller KV cache)")
     return out
 
 

@@ -65,7 +65,7 @@ class RolloutServerError(RuntimeError):
 
 def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
                     dtype: str = "auto", seed: int = 0, max_model_len: int = 4096,
-                    cuda: Optional[bool] = None) -> list[str]:
+                    cuda: Optional[bool] = None, owns_gpu: bool = False) -> list[str]:
     """The ``vllm serve`` arguments a rollout server needs (``rollout`` config ``cfg``): the
     token-in/out route (``--enable-scale-out``), the weight-transfer backend, the processed
     log-probs the actor compares with, and on the CPU build the settings of the colocated
@@ -83,8 +83,9 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
             "--load-format", "dummy", "--disable-uvicorn-access-log"]
     if getattr(cfg, "server_log_requests", False):
         args.append("--enable-log-requests")  # INFO lines: serve_environment(log_requests)
-    if cuda:  # the server owns its GPU (no actor beside it)
-        args += ["--gpu-memory-utilization", str(cfg.server_gpu_memory_utilization)]
+    if cuda:  # a rollout rank's server owns its GPU (no actor beside it)
+        fraction = cfg.server_gpu_memory_utilization if owns_gpu else cfg.gpu_memory_utilization
+        args += ["--gpu-memory-utilization", str(fraction)]
     else:
         args += ["--enforce-eager", "--no-enable-chunked-prefill",
                  "--max-num-batched-tokens", str(max(max_model_len, 8192))]
@@ -841,7 +842,7 @@ def serve_rollout_rank(cfg, index: int) -> None:
     server = LocalServer(cfg.model.hf_dir, rcfg, host="0.0.0.0", advertise=advertise,
                          log_path=log_path, threads=threads,
                          dtype=str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1],
-                         seed=cfg.trainer.seed,
+                         seed=cfg.trainer.seed, owns_gpu=True,
                          max_model_len=cfg.data.max_prompt_tokens + rcfg.max_response_tokens)
     try:
         url = server.wait_ready()

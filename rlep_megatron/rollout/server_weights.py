@@ -54,9 +54,18 @@ def within_deadline(action, timeout_s: float, what: str):
     import threading
 
     outcome: dict = {}
+    # the current CUDA device and stream are per thread: the helper takes the caller's
+    device = stream = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        stream = torch.cuda.current_stream(device)
 
     def run():
         try:
+            if device is not None:
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    outcome["result"] = action()
+                return
             outcome["result"] = action()
         except BaseException as err:  # re-raised on the caller's thread
             outcome["error"] = err

@@ -94,8 +94,11 @@ def test_a_server_takes_its_own_memory_share(tmp_path):
     cfg = config_lib.load_config(os.path.join(EXAMPLES, "tiny_cpu_baseline.yaml"), [
         "rollout.placement=separate", "rollout.num_ranks=1",
         "rollout.server_gpu_memory_utilization=0.85"]).rollout
-    args = serve_arguments(str(tmp_path), cfg, port=1, cuda=True)
+    args = serve_arguments(str(tmp_path), cfg, port=1, cuda=True, owns_gpu=True)
     assert args[args.index("--gpu-memory-utilization") + 1] == "0.85"
+    # a server the user starts (rollout.server_urls) keeps rollout.gpu_memory_utilization
+    args = serve_arguments(str(tmp_path), cfg, port=1, cuda=True)
+    assert args[args.index("--gpu-memory-utilization") + 1] == str(cfg.gpu_memory_utilization)
     with pytest.raises(ValueError, match="server_gpu_memory_utilization"):
         config_lib.load_config(os.path.join(EXAMPLES, "tiny_cpu_baseline.yaml"),
                                ["rollout.server_gpu_memory_utilization=1.5"])
