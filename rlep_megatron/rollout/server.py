@@ -81,7 +81,7 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
             "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--weight-transfer-config", json.dumps({"backend": backend}),
             "--load-format", "dummy", "--disable-uvicorn-access-log"]
-    if getattr(cfg, "server_log_requests", False):
+    if cfg.server_log_requests:
         args.append("--enable-log-requests")  # INFO lines: serve_environment(log_requests)
     if cuda:  # a rollout rank's server owns its GPU (no actor beside it)
         fraction = cfg.server_gpu_memory_utilization if owns_gpu else cfg.gpu_memory_utilization
@@ -138,7 +138,7 @@ class LocalServer:
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(command, env=serve_environment(
-                                            threads, getattr(cfg, "server_log_requests", False)),
+                                            threads, cfg.server_log_requests),
                                         stdout=self._log, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_parent)
 
