@@ -24,7 +24,7 @@ import os
 import shutil
 from typing import Optional
 
-from rlep_megatron import distributed
+from rlep_megatron import distributed, faults
 from rlep_megatron.staging import write_file_atomic
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
     from rlep_megatron.checks import check_run_config
 
     check_run_config(cfg, "collect")  # model, files, checkpoint: before any model work
+    faults.target()  # a malformed RLEP_FAULT_INJECT fails here, not mid-run
     c = cfg.collect
     rows = read_prompt_files(cfg.data.train_files, deduplicate=True)
     from rlep_megatron.reward import check_rewards
@@ -132,6 +133,7 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
                 done += 1
                 logger.info("shard %d/%d already finished, skipped", number + 1, len(shards))
                 continue
+            faults.check("shard", distributed.get_rank(), number)
             prompts = [tokenize_prompt(tokenizer, rows.messages[r],
                                        cfg.data.max_prompt_tokens).token_ids for r in indices]
             groups = engine.generate(prompts, n=c.num_samples_per_prompt,

@@ -12,6 +12,8 @@
   torchrun it kills the launcher, every process it started (with their children: engines,
   rollout servers) and itself; alone, itself and its children. Used by the resume tests, which
   so kill at a chosen point rather than at whatever a poll of the metrics file sees.
+  ``kill@shard:<n>`` kills ``rlep collect`` as it starts shard ``<n>``: shards ``0..n-1``
+  are finished, none after.
 - ``kill@<phase>:<step>:<rank>`` kills only the process of torchrun's global rank ``<rank>``
   (before rollout ranks are split off) at that point, killed by training rank 0 (so once); the
   rest of the job must then end by itself. The killing rank first
@@ -27,7 +29,7 @@ from typing import Optional
 
 ENV = "RLEP_FAULT_INJECT"
 PHASES = ("rollout", "replay", "reward", "advantage", "old_logprob", "train", "weight_sync",
-          "validate", "checkpoint", "engine_step")
+          "validate", "checkpoint", "engine_step", "shard")
 KILL, HANG = "kill@", "hang@"
 STEP_PHASES = tuple(p for p in PHASES if p != "engine_step")  # those that know their step
 

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.unit
     ("kill@train:4", ("kill", "train", 4, None)),
     ("kill@checkpoint:2:1", ("kill", "checkpoint", 2, 1)),
     ("hang@validate:2", ("hang", "validate", 2)),
+    ("kill@shard:2", ("kill", "shard", 2, None)),  # rlep collect's shards
 ])
 def test_the_forms_are_read(monkeypatch, value, expected):
     monkeypatch.setenv(faults.ENV, value)

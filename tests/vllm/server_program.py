@@ -10,7 +10,8 @@ Checks, written to ``--out`` as JSON for the pytest side:
    sync must move the server's log-probs); the server samples what an in-process engine with
    the same weights samples, given the same seeds;
 2. pause / resume with ``rollout.carry_over`` keep, resume and restart: long requests paused
-   midway around a weight update; their version spans and tokens;
+   midway around an optimizer step and weight update; their version spans and tokens, and
+   each span's log-probs against the actor's before and after the step;
 3. two servers driven as one: a weight sync reaches both (one transfer group), each prompt is
    sampled by its own server, and the log-probs of both equal the actor's;
 4. failure: the server killed (SIGKILL) while requests are in flight, and while none are: how
@@ -25,6 +26,7 @@ import time
 import torch
 
 from rlep_megatron import distributed
+from rlep_megatron.actor.forward import actor_logprobs_everywhere
 from rlep_megatron.actor.model import build_from_hf
 from rlep_megatron.actor.optimizer import build_optimizer, wrap_ddp
 from rlep_megatron.checkpoint.hf_io import load_hf_config
@@ -57,11 +59,30 @@ def wait_for_tokens(url: str, start: float, count: int, timeout_s: float = 60.0)
         time.sleep(0.25)  # a slow poll: each read is work for the server's API process
 
 
-def spans_check(engine, cfg, streamer, prompts, carry_over, version):
-    """Four long requests, paused once the server has generated a few tokens of each, the
-    weights updated to ``version``, then resumed: per request its version spans, length,
-    tokens before the pause kept, and whether it had finished before the pause (a fast CPU
-    may finish one; it has nothing to carry over)."""
+def _span_logprobs(chunks, info, prompts, requests):
+    """Per request, the actor's log-prob of each response token with its current weights."""
+    keys = sorted(requests.pending)
+    sequences = [list(prompts[key[1]]) + list(requests.pending[key].token_ids) for key in keys]
+    logp = actor_logprobs_everywhere(chunks, info, sequences, PAD)
+    return {key: logp[row, len(prompts[key[1]]):len(sequences[row])].tolist()
+            for row, key in enumerate(keys)}
+
+
+def _worst(pairs):
+    """max |a - b| over ``(engine, actor)`` log-prob pairs, and how many."""
+    return {"max": max((abs(a - b) for a, b in pairs), default=0.0), "tokens": len(pairs)}
+
+
+def spans_check(engine, cfg, streamer, prompts, carry_over, version, actor):
+    """Four long requests, paused once the server has generated a few tokens of each, an
+    optimizer step taken, the weights updated to ``version``, then resumed: per request its
+    version spans, length, tokens before the pause kept, and whether it had finished before
+    the pause (a fast CPU may finish one; it has nothing to carry over). Each span's
+    log-probs are compared with the actor's at that span's version (``actor``: the chunks,
+    their info and a ``step()`` that changes the weights): the old span with the weights
+    before the step, the new with those after (``keep`` goes on with the old weights' KV cache,
+    so its new span matches neither exactly and is not compared)."""
+    chunks, info, step = actor
     requests = engine.requests(cfg)
     requests.version = version - 1
     start = generated_tokens(engine.urls[0])
@@ -72,17 +93,42 @@ def spans_check(engine, cfg, streamer, prompts, carry_over, version):
     requests.pause(carry_over)
     done = {k for k, item in requests.pending.items() if item.finish_reason is not None}
     before = {k: list(item.token_ids) for k, item in requests.pending.items()}
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    old_weights = [p.detach().clone() for p in params]
+    step()
     sync_weights(engine, streamer, version)
     requests.resume(version)
     requests.run_until(lambda: requests.finished(0))
-    out = []
+    new_logp = _span_logprobs(chunks, info, prompts, requests)
+    new_weights = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, w in zip(params, old_weights):
+            p.copy_(w)
+        old_logp = _span_logprobs(chunks, info, prompts, requests)
+        for p, w in zip(params, new_weights):
+            p.copy_(w)
+    out, old_pairs, new_pairs, moved = [], [], [], []
     for key in sorted(requests.pending):
         item = requests.pending[key]
+        cut = 0
+        for span_version, count in item.versions:
+            span = range(cut, cut + count)
+            actor_logp = old_logp[key] if span_version == version - 1 else new_logp[key]
+            pairs = [(item.logprobs[t], actor_logp[t]) for t in span]
+            if span_version == version - 1:
+                old_pairs += pairs
+            elif carry_over != "keep":
+                new_pairs += pairs
+                moved += [abs(old_logp[key][t] - new_logp[key][t]) for t in span]
+            cut += count
         out.append({"versions": item.versions, "length": len(item.token_ids),
                     "kept_prefix": item.token_ids[:len(before[key])] == before[key],
                     "tokens_before": len(before[key]), "done_before": key in done,
                     "logprobs": len(item.logprobs), "finish": item.finish_reason})
-    return out
+    return {"requests": out, "old_span": _worst(old_pairs), "new_span": _worst(new_pairs),
+            # the step moved the actor's log-probs of the new spans' tokens: a span compared
+            # with the wrong version would not match
+            "moved_max": max(moved, default=0.0)}
 
 
 def main():
@@ -154,10 +200,12 @@ def main():
         engine.extra_sampling = {"ignore_eos": True}
         report["spans"] = {}
         for number, carry_over in enumerate(("keep", "resume", "restart")):
-            take_step(chunks, optimizer, info, ctx, prompts, after, seed=300 + number)
             sync_weights(engine, streamer, 9 + 2 * number)
+            step = lambda: take_step(chunks, optimizer, info, ctx, prompts,  # noqa: E731
+                                     after, seed=300 + number)
             report["spans"][carry_over] = spans_check(engine, long_cfg, streamer, prompts,
-                                                      carry_over, 10 + 2 * number)
+                                                      carry_over, 10 + 2 * number,
+                                                      (chunks, info, step))
         engine.cfg, engine.extra_sampling = cfg, {}
 
         # two servers driven as one: the second's worker joins the transfer group after the

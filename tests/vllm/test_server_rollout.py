@@ -2,10 +2,11 @@
 localhost) driven as ``rollout.placement: separate`` drives it: after every weight sync through
 vLLM's weight-transfer lifecycle (``rlep_gloo``), the server's log-probs of its own samples
 equal the Megatron actor's recomputation (fp32, every token within 1e-5); pauses around an
-update keep, resume or restart the requests in flight with the version spans that say so; two
-servers driven as one both take each update and share the prompts; a server killed with
-SIGKILL fails the trainer side at once (requests in flight) or after
-``rollout.server_timeout_s`` (none in flight), naming the server."""
+update keep, resume or restart the requests in flight with the version spans that say so, each
+span's log-probs those of the actor at that version; two servers driven as one both take each
+update and share the prompts; a server killed with SIGKILL fails the trainer side at once
+(requests in flight) or after ``rollout.server_timeout_s`` (none in flight), naming the
+server."""
 import json
 import subprocess
 import sys
@@ -55,31 +56,48 @@ def _split(entries):
     return [e for e in entries if len(e["versions"]) == 2]
 
 
+def _spans_match_the_actor(check, new_span=True):
+    """Each span's log-probs equal the actor's at the span's version; the optimizer step
+    between the versions moved the actor's log-probs of those tokens far more than that."""
+    assert check["old_span"]["tokens"] > 0 and check["old_span"]["max"] <= PARITY_TOL, check
+    if new_span:
+        assert check["new_span"]["tokens"] > 0 and check["new_span"]["max"] <= PARITY_TOL, check
+        assert check["moved_max"] > 100 * PARITY_TOL, check
+
+
 def test_keep_freezes_requests_and_the_server_labels_each_tokens_version(report):
-    entries = report["spans"]["keep"]
+    check = report["spans"]["keep"]
+    entries = check["requests"]
     assert all(e["logprobs"] == e["length"] for e in entries)
     both = _split(entries)
     assert both, entries  # at least one request was generating when the weights changed
     for e in both:
         (old, a), (new, b) = e["versions"]
         assert (old, new) == (9, 10) and a > 0 and b > 0 and a + b == e["length"]
+    # the new span goes on with the old weights' KV cache: only the old span is exact
+    _spans_match_the_actor(check, new_span=False)
 
 
 def test_resume_keeps_the_tokens_so_far_and_restart_drops_them(report):
-    resumed = report["spans"]["resume"]
+    resumed = report["spans"]["resume"]["requests"]
     both = _split(resumed)
     assert both, resumed
     for e in both:
         (old, a), (new, b) = e["versions"]
         assert (old, new) == (11, 12) and a == e["tokens_before"] > 0 and e["kept_prefix"]
-    restarted = [e for e in report["spans"]["restart"] if not e["done_before"]]
-    assert restarted, report["spans"]["restart"]
+    _spans_match_the_actor(report["spans"]["resume"])
+    restart = report["spans"]["restart"]
+    restarted = [e for e in restart["requests"] if not e["done_before"]]
+    assert restarted, restart
     for e in restarted:
         # every token sampled again by the new weights
         assert e["tokens_before"] == 0 and e["versions"] == [[14, e["length"]]], e
-    for e in report["spans"]["restart"]:
+    for e in restart["requests"]:
         if e["done_before"]:  # finished before the pause: untouched, all under the old weights
             assert e["versions"] == [[13, e["length"]]] and e["tokens_before"] == e["length"]
+    # the restarted requests are all new span; an old span exists only if one finished early
+    assert restart["new_span"]["tokens"] > 0 and restart["new_span"]["max"] <= PARITY_TOL
+    assert restart["old_span"]["max"] <= PARITY_TOL and restart["moved_max"] > 100 * PARITY_TOL
 
 
 def test_two_servers_take_every_update_and_share_the_prompts(report):
