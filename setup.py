@@ -37,7 +37,7 @@ EXTRAS = {
     "gpu": ["vllm==0.32.0"],
     # pytest-timeout: the suite's per-test deadline (pytest.ini), so that a hang fails its
     # own test by name
-    "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+    "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5"],
 }
 
 setup(

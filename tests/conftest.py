@@ -17,6 +17,15 @@ from rlep_megatron.tiny_model import make_tiny_model
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pytest.ini): one worker per core, at most one per 10 GiB of memory (a
+    worker runs jobs of up to 4 ranks, each with its engine) and at most 8."""
+    import psutil
+
+    memory_gib = psutil.virtual_memory().total / 2**30
+    return max(1, min(os.cpu_count() or 1, int(memory_gib // 10), 8))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

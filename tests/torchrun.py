@@ -42,6 +42,39 @@ def run_torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: f
     return proc
 
 
+def run_tool_in_process(script: str, args: Sequence[str]) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` run in this process: a ``tools/`` converter's ``main()``
+    with ``sys.argv`` set, its output captured, and the environment it changes (the single
+    rank's RANK, MASTER_PORT, ...) restored. A converter tears down its process group and
+    megatron's parallel state itself; this saves the process start (torch, megatron and
+    transformers imported again, several seconds each time). The exit codes of the real
+    programs are checked by a test that runs them as programs."""
+    import contextlib
+    import io
+    import logging
+    import runpy
+
+    root = logging.getLogger()  # the tool sets up its logging on the captured stderr
+    handlers, level = list(root.handlers), root.level
+    argv, environ = sys.argv, dict(os.environ)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    sys.argv = [script, *args]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            namespace = runpy.run_path(os.path.join(REPO_ROOT, script))
+            code = namespace["main"]()
+    except SystemExit as exit_:  # argparse
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(),
+                                       stderr.getvalue())
+
+
 def run_function(target: str, nproc: int, kwargs: Optional[dict[str, Any]] = None,
                  timeout_s: float = 600) -> subprocess.CompletedProcess:
     """Run ``package.module:function(**kwargs)`` on every rank under torchrun."""

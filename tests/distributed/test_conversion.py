@@ -10,12 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.torchrun import REPO_ROOT, run_torchrun
+from tests.torchrun import REPO_ROOT, run_tool_in_process, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
 
-def tool(*args, timeout=300):
+def tool(script, *args):
+    """A converter, run in this process (the bad-input test runs them as programs)."""
+    return run_tool_in_process(script, [*args, "--no-progress"])
+
+
+def program(*args, timeout=300):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, *args, "--no-progress"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -184,8 +189,9 @@ def leftovers(parent):
 
 
 def test_bad_inputs_give_clear_errors_and_no_partial_output(tiny_qwen2_dir, tmp_path):
+    """Each converter run as a program once (its exit code), the rest in this process."""
     out = tmp_path / "out"
-    proc = tool("tools/convert_hf_to_mcore.py", "--hf-dir", str(tmp_path / "nope"),
+    proc = program("tools/convert_hf_to_mcore.py", "--hf-dir", str(tmp_path / "nope"),
                 "--out-dir", str(out))
     assert proc.returncode == 2 and "not found" in proc.stderr and not out.exists()
 
@@ -214,6 +220,6 @@ def test_bad_inputs_give_clear_errors_and_no_partial_output(tiny_qwen2_dir, tmp_
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert os.listdir(out) == ["keep.txt"]
 
-    proc = tool("tools/convert_mcore_to_hf.py", "--mcore-dir", tiny_qwen2_dir, "--out-dir",
+    proc = program("tools/convert_mcore_to_hf.py", "--mcore-dir", tiny_qwen2_dir, "--out-dir",
                 str(tmp_path / "hf"))
     assert proc.returncode == 2 and "metadata.json" in proc.stderr

@@ -3,8 +3,6 @@ replicas), and exact resume on 2 ranks with actor PP=2."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from safetensors.torch import load_file
 from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool,
                                resume_from_checkpoint, run_rlep, small_task, train_overrides)
 from rlep_megatron.data.schema import read_prompt_file, rows_to_table, write_table_atomic
-from tests.torchrun import REPO_ROOT, _env
+from tests.torchrun import run_tool_in_process
 from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -69,10 +67,9 @@ def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
     # training checkpoint (dist checkpoint -> actor -> weight sync) gives the same samples
     checkpoint = out / "checkpoints" / "step_00000002"
     hf_out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "tools/convert_mcore_to_hf.py", "--mcore-dir",
-                           str(checkpoint), "--out-dir", str(hf_out), "--hf-config-dir",
-                           tiny_qwen2_dir], cwd=REPO_ROOT, env=_env(None), capture_output=True,
-                          text=True, timeout=600)
+    proc = run_tool_in_process("tools/convert_mcore_to_hf.py", [
+        "--mcore-dir", str(checkpoint), "--out-dir", str(hf_out), "--hf-config-dir",
+        tiny_qwen2_dir])
     assert proc.returncode == 0, proc.stderr[-3000:]
     trained, initial = load_file(hf_out / "model.safetensors"), load_file(
         os.path.join(tiny_qwen2_dir, "model.safetensors"))
