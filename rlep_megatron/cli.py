@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import yaml
@@ -303,7 +304,14 @@ def main(argv: list[str] | None = None) -> int:
 
         pause_gc_for_startup()
     try:
-        return _run_job(args)
+        code = _run_job(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's teardown
+        return code
+    except BrokenPipeError:
+        # the reader of our output stopped early (`rlep plan --json | head`): not an error;
+        # stdout goes to /dev/null so that the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     finally:
         if args.command in _ENGINE_JOBS:
             from rlep_megatron.platform.heap import resume_gc

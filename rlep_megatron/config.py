@@ -873,6 +873,13 @@ _PEER_NAMES = {
     "entropy_coeff": "algo.entropy_coef",
     "train_files": "data.train_files",
     "val_files": "data.val_files",
+    "resume_mode": "checkpoint.resume",
+    "max_num_gen_batches": "algo.max_generation_rounds",
+}
+# verl fields whose own name says too little: matched with their parent's name
+_PEER_PATHS = {
+    "filter_groups.enable": "algo.dynamic_sampling",
+    "filter_groups.max_num_gen_batches": "algo.max_generation_rounds",
 }
 
 
@@ -886,6 +893,8 @@ def suggest_keys(name: str, limit: int = 3) -> list[str]:
     keys = valid_keys()
     parts = name.split(".")
     field_name = parts[-1]
+    if ".".join(parts[-2:]) in _PEER_PATHS:
+        return [_PEER_PATHS[".".join(parts[-2:])]]
     if field_name in _PEER_NAMES:
         return [_PEER_NAMES[field_name]]
     same_field = [k for k in keys if k.split(".", 1)[1] == field_name]

@@ -252,3 +252,29 @@ def test_plan_refuses_bad_input(tiny_qwen2_dir):
             (["--gpus", "8"], "--gpus-per-node")):
         code, _, err = rlep("plan", "--hf-config", config, *args)
         assert code != 0 and message in err, err[-2000:]
+
+
+def test_a_reader_that_stops_early_is_not_an_error(tiny_qwen2_dir):
+    """``rlep plan --json | head -1``: the pipe closes before the plan is written out; the
+    command ends with 0 and no traceback (it used to end in BrokenPipeError)."""
+    import sys
+
+    from rlep_megatron.cli import main
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone
+    stdout, pipe = sys.stdout, open(write_end, "w")
+    err = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        sys.stdout = pipe
+        with contextlib.redirect_stderr(err):
+            code = main(["plan", "--json", "--gpus-per-node", "2", "--hf-config",
+                         os.path.join(tiny_qwen2_dir, "config.json")])
+    finally:
+        sys.stdout = stdout
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert code == 0 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
+    pipe.close()  # its descriptor now points at /dev/null: closing it raises nothing

@@ -189,6 +189,10 @@ MISTAKES = [  # (override, what the one line must say)
     ("lr=1e-6", "did you mean optim.lr?"),
     ("rollout.n=8", "did you mean rollout.num_samples_per_prompt?"),
     ("trainer.totl_steps=3", "did you mean trainer.total_steps"),
+    # verl's names in the configuration key map (docs/configuration.md)
+    ("trainer.resume_mode=auto", "did you mean checkpoint.resume?"),
+    ("algorithm.filter_groups.enable=true", "did you mean algo.dynamic_sampling?"),
+    ("algorithm.filter_groups.max_num_gen_batches=5", "did you mean algo.max_generation_rounds?"),
     ("rollout.max_response_tokens=2000", "max_prompt_tokens + rollout.max_response_tokens = "
                                          "2128 is more than the model's max_position_embeddings "
                                          "(2048)"),
