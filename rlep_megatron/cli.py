@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_size(p_init)
     p_init.add_argument("--pool", default="", help="an experience pool (`rlep collect`): an "
                         "RLEP recipe with M = 2 replays; without it a baseline (M = 0)")
-    p_init.add_argument("--output-dir", default="", help="trainer.output_dir of the recipe")
+    p_init.add_argument("--output-dir", default="", help="trainer.output_dir of the recipe "
+                        "(default: outputs/<the recipe's file name without .yaml>)")
     p_init.add_argument("--reward-function", default="", metavar="MODULE:FN|FILE.py:FN",
                         help="reward.function of the recipe: your own reward for every row "
                              "(docs/data-and-rewards.md); default: the rules chosen by each "

@@ -217,6 +217,10 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
         raise FileExistsError(f"{path} exists; give another path or --force to replace it")
     if not train_files:
         raise ValueError("give at least one training file (--train)")
+    # the run's own directory, named after the recipe (not the template's: that is the
+    # paper baseline's, which a second recipe from the same template would share)
+    output_dir = output_dir or os.path.join("outputs",
+                                            os.path.splitext(os.path.basename(path))[0])
     raw, name, notes = make_recipe(model_dir, train_files, val_files, gpus, nodes, pool,
                                    output_dir, reward_function)
     notes += separate_rollout(raw, gpus, rollout_nodes, list(rollout_servers))

@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import pytest
 import yaml
@@ -357,6 +358,8 @@ def test_init_fits_the_batch_to_a_small_dataset_and_runs_the_preflight(tmp_path,
     raw = yaml.safe_load(open(recipe))
     assert raw["data"]["train_batch_size"] == 4 and raw["trainer"]["mini_batch_size"] <= 4
     assert "the training files hold 4 rows" in out
+    # without --output-dir the run writes under its own name, not the template's directory
+    assert raw["trainer"]["output_dir"] == os.path.join("outputs", "r")
     assert main(["config", "--config", recipe]) == 0
     broken = tmp_path / "broken.parquet"
     pq.write_table(pq.read_table(task["train"]).drop(["reward_model"]), broken)
