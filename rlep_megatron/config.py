@@ -463,12 +463,22 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay."""
     lr_warmup_steps: int = 10
-    """Linear warm-up length, then constant; counted in ``lr_warmup_unit``."""
+    """Linear warm-up length, then ``lr_decay`` (constant by default); counted in
+    ``lr_warmup_unit``."""
     lr_warmup_unit: str = "training_steps"
     """``training_steps`` (the reference, docs/ALGORITHM.md section 4): lr = lr x min(1, s / warm-up)
     for training step s = 0, 1, ..., shared by all optimizer steps of that training step, so the
     first training step runs at lr 0 when warm-up > 0 (a quirk of the reference's scheduler,
     reproduced). ``optimizer_steps``: lr x (k + 1) / warm-up for optimizer step k."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warm-up: ``constant`` (the reference), or ``linear`` / ``cosine`` decay from
+    ``lr`` to ``min_lr`` over ``lr_decay_steps`` training steps, then ``min_lr``. Counted in
+    training steps (every optimizer step of a training step shares its lr), from the end of a
+    ``training_steps`` warm-up, or from step 0 with an ``optimizer_steps`` one."""
+    min_lr: float = 0.0
+    """The lr that ``lr_decay`` ends at (0 <= min_lr <= lr)."""
+    lr_decay_steps: int = 0
+    """Length of the decay in training steps; 0: until ``trainer.total_steps``."""
     clip_grad: float = 1.0
     """Global grad-norm clip; a non-finite norm skips the step."""
     use_distributed_optimizer: bool = True
@@ -505,6 +515,15 @@ class OptimConfig:
         if self.lr_warmup_unit not in ("training_steps", "optimizer_steps"):
             raise ValueError("optim.lr_warmup_unit must be training_steps or optimizer_steps, "
                              f"got {self.lr_warmup_unit!r}")
+        if self.lr_decay not in ("constant", "linear", "cosine"):
+            raise ValueError(f"optim.lr_decay must be constant, linear or cosine, got "
+                             f"{self.lr_decay!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be between 0 and optim.lr ({self.lr}), got "
+                             f"{self.min_lr}")
+        if self.lr_decay_steps < 0:
+            raise ValueError(f"optim.lr_decay_steps must be >= 0 (0: until "
+                             f"trainer.total_steps), got {self.lr_decay_steps}")
 
 
 @dataclass(frozen=True)
@@ -874,6 +893,9 @@ _PEER_NAMES = {
     "train_files": "data.train_files",
     "val_files": "data.val_files",
     "resume_mode": "checkpoint.resume",
+    "warmup_style": "optim.lr_decay",
+    "lr_scheduler_type": "optim.lr_decay",
+    "min_lr_ratio": "optim.min_lr",
     "max_num_gen_batches": "algo.max_generation_rounds",
 }
 # verl fields whose own name says too little: matched with their parent's name

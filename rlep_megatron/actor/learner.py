@@ -215,7 +215,8 @@ class LearningSide:
     def train(self, train_batches, version: int) -> dict[str, float]:
         from rlep_megatron.actor.train_step import train_mini_batch
 
-        self.optimizer.training_step = version  # the lr warm-up may count training steps
+        self.optimizer.training_step = version  # the lr schedule counts training steps
+        self.optimizer.total_steps = self.cfg.trainer.total_steps
         cfg = self.cfg
         results = [train_mini_batch(self.chunks, self.optimizer, self.info, tb, cfg.algo,
                                     cfg.trainer.micro_batch_max_tokens,

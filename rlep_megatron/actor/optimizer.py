@@ -72,8 +72,8 @@ def _data_parallel_replicas() -> bool:
 
 @dataclass
 class ActorOptimizer:
-    """Megatron optimizer + warmup-then-constant lr (``OptimConfig.lr_warmup_unit``); ``step()``
-    skips non-finite grad norms."""
+    """Megatron optimizer + linear warm-up (``OptimConfig.lr_warmup_unit``), then a constant or
+    decaying lr (``OptimConfig.lr_decay``); ``step()`` skips non-finite grad norms."""
 
     optimizer: object
     config: OptimConfig
@@ -81,14 +81,32 @@ class ActorOptimizer:
     num_skipped: int = 0
     training_step: int = 0
     """Training (RL) steps completed before the current one; set by the trainer."""
+    total_steps: int = 0
+    """The run's training steps (``trainer.total_steps``): where a decay of length 0 ends."""
 
     def current_lr(self) -> float:
+        peak = self.decayed_lr()
         warmup = self.config.lr_warmup_steps
         if not warmup:
-            return self.config.lr
+            return peak
         if self.config.lr_warmup_unit == "training_steps":
-            return self.config.lr * min(1.0, self.training_step / warmup)
-        return self.config.lr * min(1.0, (self.num_steps + 1) / warmup)
+            return peak * min(1.0, self.training_step / warmup)
+        return peak * min(1.0, (self.num_steps + 1) / warmup)
+
+    def decayed_lr(self) -> float:
+        """``optim.lr`` after ``optim.lr_decay`` at the current training step (before the
+        warm-up's factor, which is 1 once the decay starts)."""
+        cfg = self.config
+        if cfg.lr_decay == "constant":
+            return cfg.lr
+        start = cfg.lr_warmup_steps if cfg.lr_warmup_unit == "training_steps" else 0
+        length = cfg.lr_decay_steps or max(self.total_steps - start, 1)
+        progress = min(max(self.training_step - start, 0) / length, 1.0)
+        if cfg.lr_decay == "linear":
+            remaining = 1.0 - progress
+        else:
+            remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * remaining
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

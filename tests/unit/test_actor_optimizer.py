@@ -243,3 +243,47 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
                      "engine wakes ['kv_cache']", *one_step, *checkpoint,
                      "engine wakes ['kv_cache']", *one_step, *checkpoint]
     assert learner._train_state_offloaded and not engine.stale
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine"])
+@pytest.mark.parametrize("decay_steps", [0, 5])
+def test_lr_decay_after_the_warm_up_follows_torchs_schedulers(decay, decay_steps):
+    """optim.lr_decay against torch's own LinearLR / CosineAnnealingLR stepped once per
+    training step after a 3-step warm-up (decay_steps 0: until total_steps = 12), then
+    min_lr; the warm-up's steps are unchanged."""
+    lr, min_lr, warmup, total = 1e-3, 1e-4, 3, 12
+    cfg = OptimConfig(lr=lr, lr_warmup_steps=warmup, lr_decay=decay, min_lr=min_lr,
+                      lr_decay_steps=decay_steps)
+    length = decay_steps or total - warmup
+    param = torch.nn.Parameter(torch.zeros(1))
+    reference_optimizer = torch.optim.SGD([param], lr=lr)
+    if decay == "linear":
+        scheduler = torch.optim.lr_scheduler.LinearLR(
+            reference_optimizer, start_factor=1.0, end_factor=min_lr / lr, total_iters=length)
+    else:
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(reference_optimizer,
+                                                               T_max=length, eta_min=min_lr)
+    ours = ActorOptimizer(RecordingOptimizer([]), cfg, total_steps=total)
+    constant = ActorOptimizer(RecordingOptimizer([]), OptimConfig(lr=lr, lr_warmup_steps=warmup))
+    for step in range(total + 3):
+        ours.training_step = constant.training_step = step
+        if step < warmup:
+            assert ours.current_lr() == constant.current_lr()
+            continue
+        expected = reference_optimizer.param_groups[0]["lr"] if step - warmup <= length \
+            else min_lr
+        assert ours.current_lr() == pytest.approx(expected, rel=1e-9), step
+        if step - warmup < length:
+            reference_optimizer.step()
+            scheduler.step()
+    assert ours.current_lr() == pytest.approx(min_lr, rel=1e-12)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"lr_decay": "step"}, "optim.lr_decay must be constant, linear or cosine"),
+    ({"min_lr": 2.0}, "optim.min_lr must be between 0 and optim.lr"),
+    ({"lr_decay_steps": -1}, "optim.lr_decay_steps must be >= 0"),
+])
+def test_bad_lr_decay_settings_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        OptimConfig(lr=1e-3, **override)
