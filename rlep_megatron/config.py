@@ -556,17 +556,34 @@ class TrainerConfig:
     requires a GPU; ``cpu`` runs on the CPU even where GPUs exist."""
     validation_interval_steps: int = 5
     """Validate every N steps (and at step 0); 0 disables validation."""
+    validate_before_train: bool = True
+    """Validate at step 0, before any training (the baseline of the curves); false skips it
+    (a resumed run never repeats it)."""
     log_all_ranks: bool = False
     """Print logs of every rank, not only rank 0 (debugging)."""
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Where each step's metrics go besides ``metrics.jsonl`` (always written): any of
-    ``tensorboard`` (``<output_dir>/tensorboard``) and ``wandb`` (Weights & Biases, when the
+    ``tensorboard`` (``<output_dir>/tensorboard``), ``wandb`` (Weights & Biases, when the
     ``wandb`` package is installed; same keys; ``WANDB_MODE=offline`` works without a
-    network). A resumed run continues the same W&B run."""
+    network) and ``mlflow`` (when the ``mlflow`` package is installed; same keys with ``@``
+    written ``_at_``, which MLflow does not accept). A resumed run continues the same W&B or
+    MLflow run."""
     wandb_project: str = "rlep"
     """W&B project of the run (with ``wandb`` in ``loggers``)."""
     wandb_run_name: str = ""
     """W&B run name; empty: the output directory's name."""
+    wandb_entity: str = ""
+    """W&B entity (team or user) of the run; empty: W&B's default for the logged-in user."""
+    wandb_group: str = ""
+    """W&B group of the run (runs compared together, e.g. the baseline and RLEP)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags of the run."""
+    mlflow_experiment: str = "rlep"
+    """MLflow experiment of the run (with ``mlflow`` in ``loggers``); its run is named like the
+    W&B run (``wandb_run_name``, else the output directory's name)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow tracking server or store; empty: MLflow's own default (``MLFLOW_TRACKING_URI``,
+    else ``./mlruns``)."""
     max_staleness: int = 0
     """How many policy versions old a fresh token may be when it is trained. 0: synchronous
     (each step's prompts are generated under the weights that then train on them). k >= 1:
@@ -580,10 +597,10 @@ class TrainerConfig:
     def __post_init__(self):
         if not self.output_dir:
             raise ValueError("trainer.output_dir must be a non-empty path")
-        unknown = sorted(set(self.loggers) - {"tensorboard", "wandb"})
+        unknown = sorted(set(self.loggers) - {"tensorboard", "wandb", "mlflow"})
         if unknown:
             raise ValueError(f"trainer.loggers: unknown {unknown}; choose from tensorboard, "
-                             "wandb (metrics.jsonl is always written)")
+                             "wandb, mlflow (metrics.jsonl is always written)")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"trainer.device must be auto, cuda or cpu, got {self.device!r}")
         if self.total_steps < 0:
@@ -726,7 +743,10 @@ CONFIG_FILE_NAME = "config.yaml"
 # and where it logs and writes, how often it validates and saves, where it runs, how many
 # scorer workers it uses; and the settings of `rlep eval` / `rlep collect` (whole sections)
 RESUMABLE_CHANGES = ("trainer.total_steps", "trainer.validation_interval_steps",
+                     "trainer.validate_before_train",
                      "trainer.log_all_ranks", "trainer.loggers", "trainer.wandb_project",
+                     "trainer.wandb_entity", "trainer.wandb_group", "trainer.wandb_tags",
+                     "trainer.mlflow_experiment", "trainer.mlflow_tracking_uri",
                      "trainer.wandb_run_name", "trainer.output_dir", "trainer.device",
                      "reward.num_workers", "reward.backend", "checkpoint.", "eval.", "collect.",
                      # the same arithmetic, other communication timing

@@ -44,46 +44,104 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 WANDB_ID_FILE = "wandb_run_id.txt"
 
 
+MLFLOW_ID_FILE = "mlflow_run_id.txt"
+
+
 def check_loggers(loggers: Iterable[str]) -> None:
     """Fail before any work when a chosen logger's package is missing."""
     import importlib.util
 
-    if "wandb" in loggers and importlib.util.find_spec("wandb") is None:
-        raise ValueError("trainer.loggers includes wandb but the wandb package is not "
-                         "installed: pip install wandb (or drop wandb from trainer.loggers)")
+    for name in ("wandb", "mlflow"):
+        if name in loggers and importlib.util.find_spec(name) is None:
+            raise ValueError(f"trainer.loggers includes {name} but the {name} package is not "
+                             f"installed: pip install {name} (or drop {name} from "
+                             "trainer.loggers)")
 
 
-def open_wandb_run(output_dir: str, project: str, name: str, config: Optional[dict] = None):
+def _saved_run_id(output_dir: str, file_name: str) -> Optional[str]:
+    path = os.path.join(output_dir, file_name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def _save_run_id(output_dir: str, file_name: str, run_id: str) -> None:
+    from rlep_megatron.staging import write_file_atomic
+
+    write_file_atomic(os.path.join(output_dir, file_name), run_id + "\n")
+
+
+def open_wandb_run(output_dir: str, project: str, name: str, config: Optional[dict] = None,
+                   entity: str = "", group: str = "", tags: Iterable[str] = ()):
     """A W&B run for ``output_dir``: its id is kept in ``<output_dir>/wandb_run_id.txt``, so a
     resumed training run appends to the same W&B run (steps at or below W&B's last step, redone
     after a resume, are dropped by W&B; ``metrics.jsonl`` holds them)."""
     check_loggers(["wandb"])
     import wandb
 
-    id_path = os.path.join(output_dir, WANDB_ID_FILE)
-    if os.path.exists(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip()
-    else:
-        from rlep_megatron.staging import write_file_atomic
-
+    run_id = _saved_run_id(output_dir, WANDB_ID_FILE)
+    if run_id is None:
         run_id = wandb.util.generate_id()
-        write_file_atomic(id_path, run_id + "\n")
+        _save_run_id(output_dir, WANDB_ID_FILE, run_id)
     return wandb.init(project=project, name=name or os.path.basename(os.path.abspath(output_dir)),
-                      id=run_id, resume="allow", dir=output_dir, config=config)
+                      id=run_id, resume="allow", dir=output_dir, config=config,
+                      entity=entity or None, group=group or None, tags=list(tags) or None)
+
+
+class MlflowRun:
+    """An MLflow run that :class:`MetricsWriter` logs to: each step's scalars with their step,
+    ``@`` (``mean@4``) written ``_at_``, which MLflow's metric names do not allow."""
+
+    def __init__(self, mlflow):
+        self._mlflow = mlflow
+
+    @staticmethod
+    def metric_name(key: str) -> str:
+        return key.replace("@", "_at_")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics({self.metric_name(k): float(v) for k, v in values.items()},
+                                 step=step)
+
+    def finish(self) -> None:
+        self._mlflow.end_run()
+
+
+def open_mlflow_run(output_dir: str, experiment: str, name: str, tracking_uri: str = "",
+                    config: Optional[dict] = None) -> MlflowRun:
+    """An MLflow run for ``output_dir``, its id kept in ``<output_dir>/mlflow_run_id.txt`` so
+    that a resumed training run logs into the same run; a new run records the config
+    (``config.json`` artifact)."""
+    check_loggers(["mlflow"])
+    import mlflow
+
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment(experiment)
+    run_id = _saved_run_id(output_dir, MLFLOW_ID_FILE)
+    if run_id is not None:
+        mlflow.start_run(run_id=run_id)
+    else:
+        run = mlflow.start_run(run_name=name or os.path.basename(os.path.abspath(output_dir)))
+        _save_run_id(output_dir, MLFLOW_ID_FILE, run.info.run_id)
+        if config is not None:
+            mlflow.log_dict(config, "config.json")
+    return MlflowRun(mlflow)
 
 
 class MetricsWriter:
-    """Appends step records to ``<output_dir>/metrics.jsonl`` and mirrors them to TensorBoard
-    and/or W&B (rank 0 only)."""
+    """Appends step records to ``<output_dir>/metrics.jsonl`` and mirrors them to TensorBoard,
+    W&B and/or MLflow (rank 0 only)."""
 
     def __init__(self, output_dir: str, enabled: bool = True, tensorboard: bool = True,
-                 fsync: bool = True, wandb_run=None):
+                 fsync: bool = True, wandb_run=None, mlflow_run=None):
         self.path = os.path.join(output_dir, METRICS_FILE_NAME)
         self.enabled = enabled
         self.fsync = fsync
         self._tb = None
-        self._wandb = wandb_run
+        # runs of other trackers: each has log(scalars, step=) and finish()
+        self._runs = [run for run in (wandb_run, mlflow_run) if run is not None]
         self._fd: Optional[int] = None
         if not enabled:
             return
@@ -137,8 +195,8 @@ class MetricsWriter:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log(scalars, step=int(step))
+        for run in self._runs:
+            run.log(scalars, step=int(step))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -147,9 +205,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        runs, self._runs = self._runs, []
+        for run in runs:
+            run.finish()
 
     def __enter__(self):
         return self

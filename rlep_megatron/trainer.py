@@ -153,16 +153,20 @@ class Trainer:
         cfg = self.cfg
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         dump_config(cfg, cfg.trainer.output_dir)
-        wandb_run = None
-        if "wandb" in cfg.trainer.loggers:
-            from rlep_megatron.config import config_to_dict
-            from rlep_megatron.metrics import open_wandb_run
+        from rlep_megatron.config import config_to_dict
+        from rlep_megatron.metrics import open_mlflow_run, open_wandb_run
 
-            wandb_run = open_wandb_run(cfg.trainer.output_dir, cfg.trainer.wandb_project,
-                                       cfg.trainer.wandb_run_name, config_to_dict(cfg))
-        return MetricsWriter(cfg.trainer.output_dir,
-                             tensorboard="tensorboard" in cfg.trainer.loggers,
-                             wandb_run=wandb_run)
+        t = cfg.trainer
+        wandb_run = mlflow_run = None
+        if "wandb" in t.loggers:
+            wandb_run = open_wandb_run(t.output_dir, t.wandb_project, t.wandb_run_name,
+                                       config_to_dict(cfg), entity=t.wandb_entity,
+                                       group=t.wandb_group, tags=t.wandb_tags)
+        if "mlflow" in t.loggers:
+            mlflow_run = open_mlflow_run(t.output_dir, t.mlflow_experiment, t.wandb_run_name,
+                                         t.mlflow_tracking_uri, config_to_dict(cfg))
+        return MetricsWriter(t.output_dir, tensorboard="tensorboard" in t.loggers,
+                             wandb_run=wandb_run, mlflow_run=mlflow_run)
 
     def ends_at_checkpoint(self, step: int) -> bool:
         """Whether training step ``step`` (0-based) is followed by a checkpoint."""
@@ -237,7 +241,8 @@ class Trainer:
             self.metrics.truncate_after(self.step if resumed else -1)
         self.learner.weight_sync(version=self.step)  # the engine starts with dummy weights
         interval = cfg.trainer.validation_interval_steps
-        if self.val_rows is not None and interval and not resumed:
+        if (self.val_rows is not None and interval and cfg.trainer.validate_before_train
+                and not resumed):
             timer = Timer(step=self.step)
             with timer.phase("validate"):
                 values = self.validate()

@@ -135,12 +135,15 @@ def test_wandb_gets_the_same_scalars_and_a_resumed_run_keeps_its_id(tmp_path, mo
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     for _ in range(2):  # a run, then its resumption
-        run = open_wandb_run(str(tmp_path), "proj", "", {"algo": {"kl_coef": 0.0}})
+        run = open_wandb_run(str(tmp_path), "proj", "", {"algo": {"kl_coef": 0.0}},
+                             entity="team", group="rlep-vs-dapo", tags=["7b", "rlep"])
         with MetricsWriter(str(tmp_path), tensorboard=False, wandb_run=run) as writer:
             writer.log(3, {"train/pg_loss": 0.5, "val/x/mean@4": 1, "note": "text"})
     assert [i["id"] for i in fake.inits] == ["run123", "run123"]
     assert fake.inits[0]["resume"] == "allow" and fake.inits[0]["project"] == "proj"
     assert fake.inits[0]["name"] == tmp_path.name
+    assert (fake.inits[0]["entity"], fake.inits[0]["group"], fake.inits[0]["tags"]) == (
+        "team", "rlep-vs-dapo", ["7b", "rlep"])
     assert fake.logged[0] == (3, {"train/pg_loss": 0.5, "val/x/mean@4": 1})
     assert fake.finished == 2
     assert [r["train/pg_loss"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0.5,
@@ -157,4 +160,56 @@ def test_a_missing_wandb_is_refused_before_any_work(monkeypatch):
         check_loggers(["tensorboard", "wandb"])
     check_loggers(["tensorboard"])
     with pytest.raises(ValueError, match="trainer.loggers"):
-        load_config(None, ["trainer.loggers=[tensorboard, mlflow]"])
+        load_config(None, ["trainer.loggers=[tensorboard, neptune]"])
+    with pytest.raises(ValueError, match="pip install mlflow"):
+        check_loggers(["mlflow"])
+
+
+class FakeMlflow:
+    """Records what the MLflow client would be given (the package is optional)."""
+
+    def __init__(self):
+        import importlib.machinery
+
+        self.__spec__ = importlib.machinery.ModuleSpec("mlflow", None)
+        self.calls = []
+
+    def set_tracking_uri(self, uri):
+        self.calls.append(("uri", uri))
+
+    def set_experiment(self, name):
+        self.calls.append(("experiment", name))
+
+    def start_run(self, run_id=None, run_name=None):
+        self.calls.append(("start", run_id, run_name))
+        return type("Run", (), {"info": type("Info", (), {"run_id": "abc"})})
+
+    def log_dict(self, value, name):
+        self.calls.append(("dict", name))
+
+    def log_metrics(self, values, step):
+        self.calls.append(("metrics", step, values))
+
+    def end_run(self):
+        self.calls.append(("end",))
+
+
+def test_mlflow_gets_the_scalars_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    """Each step's scalars (``@``, which MLflow refuses in a name, as ``_at_``); the run's id
+    kept in the output directory, so that a resumed run logs into the same run."""
+    import sys
+
+    from rlep_megatron.metrics import open_mlflow_run
+
+    fake = FakeMlflow()
+    monkeypatch.setitem(sys.modules, "mlflow", fake)
+    for _ in range(2):  # a run, then its resumption
+        run = open_mlflow_run(str(tmp_path), "exp", "", "file:/tmp/store", {"algo": {}})
+        with MetricsWriter(str(tmp_path), tensorboard=False, mlflow_run=run) as writer:
+            writer.log(3, {"train/pg_loss": 0.5, "val/x/mean@4": 1, "note": "text"})
+    first, second = fake.calls[:6], fake.calls[6:]
+    assert first == [("uri", "file:/tmp/store"), ("experiment", "exp"),
+                     ("start", None, tmp_path.name), ("dict", "config.json"),
+                     ("metrics", 3, {"train/pg_loss": 0.5, "val/x/mean_at_4": 1.0}), ("end",)]
+    assert second == [("uri", "file:/tmp/store"), ("experiment", "exp"), ("start", "abc", None),
+                      ("metrics", 3, {"train/pg_loss": 0.5, "val/x/mean_at_4": 1.0}), ("end",)]
