@@ -11,12 +11,22 @@
 # NODE_ROLE (train or rollout, with rollout.placement=separate and rollout.num_ranks: the ranks
 # of rollout nodes start the vLLM servers; set it on every node, as torchrun numbers the nodes
 # in its own order, not by NODE_RANK).
+# JOB (default train): the rlep job every rank runs, train, collect or eval, e.g.
+#   JOB=collect NNODES=8 NODE_RANK=0 MASTER_ADDR=node0 scripts/train_multinode.sh \
+#       examples/dapo_nodyn_bs64.yaml collect.checkpoint=outputs/dapo_nodyn_bs64/checkpoints/step_00000400
 # torchrun's c10d rendezvous waits for all NNODES nodes, then starts GPUS_PER_NODE ranks each.
 set -euo pipefail
 if [ "$#" -lt 1 ]; then
-    echo "usage: NNODES=N NODE_RANK=R MASTER_ADDR=HOST $0 RECIPE [section.key=value ...]" >&2
+    echo "usage: [JOB=train|collect|eval] NNODES=N NODE_RANK=R MASTER_ADDR=HOST $0 RECIPE" \
+         "[section.key=value ...]" >&2
     exit 2
 fi
+JOB=${JOB:-train}
+case "$JOB" in
+    train|collect|eval) ;;
+    *) echo "train_multinode.sh: JOB=$JOB: the job is train, collect or eval" >&2
+       exit 2 ;;
+esac
 : "${NNODES:?set NNODES (number of nodes)}"
 : "${NODE_RANK:?set NODE_RANK (0 .. NNODES-1)}"
 : "${MASTER_ADDR:?set MASTER_ADDR (host of node 0, reachable from every node)}"
@@ -44,11 +54,11 @@ case "${NODE_ROLE:-}" in
     *) echo "train_multinode.sh: NODE_ROLE=$NODE_ROLE: a node's role is train or rollout" >&2
        exit 2 ;;
 esac
-echo "train_multinode.sh: node $NODE_RANK/$NNODES (${NODE_ADDR:-address unknown}), rendezvous" \
+echo "train_multinode.sh: rlep $JOB, node $NODE_RANK/$NNODES (${NODE_ADDR:-address unknown}), rendezvous" \
      "$MASTER_ADDR:$MASTER_PORT, $GPUS_PER_NODE ranks, role ${NODE_ROLE:-unset}, python $PYTHON," \
      "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-unset} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-unset}"
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d \
     --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "rlep-$MASTER_ADDR-$MASTER_PORT" \
     --rdzv-conf "is_host=$IS_HOST" ${NODE_ADDR:+--local-addr "$NODE_ADDR"} \
-    -m rlep_megatron.cli train --config "$RECIPE" "$@"
+    -m rlep_megatron.cli "$JOB" --config "$RECIPE" "$@"

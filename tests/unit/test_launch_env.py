@@ -36,3 +36,28 @@ def test_te_gets_the_cuda_headers_of_the_cu13_wheels(tmp_path):
     # without TE nothing is set
     plain, _ = fake_site(tmp_path, with_te=False)
     assert launch_env(plain) == ""
+
+
+def multinode(tmp_path, **env) -> subprocess.CompletedProcess:
+    """scripts/train_multinode.sh with a stand-in interpreter that prints what it was given."""
+    python = tmp_path / "python"
+    python.write_text('#!/usr/bin/env bash\necho "ARGS $*"\n')
+    python.chmod(0o755)
+    script = os.path.join(REPO_ROOT, "scripts", "train_multinode.sh")
+    variables = dict(os.environ, PYTHON=str(python), NNODES="2", NODE_RANK="1",
+                     MASTER_ADDR="127.0.0.1", NODE_ADDR="10.0.0.2", **env)
+    return subprocess.run(["bash", script, "r.yaml", "collect.checkpoint=c"], env=variables,
+                          capture_output=True, text=True)
+
+
+def test_the_multinode_launcher_runs_every_job(tmp_path):
+    """JOB picks the rlep job (train by default); anything else is refused before torchrun."""
+    for job, expected in ((None, "train"), ("collect", "collect"), ("eval", "eval")):
+        proc = multinode(tmp_path, **({"JOB": job} if job else {}))
+        assert proc.returncode == 0, proc.stderr
+        launched = [line for line in proc.stdout.splitlines() if line.startswith("ARGS ")][-1]
+        assert launched.endswith(f"-m rlep_megatron.cli {expected} --config r.yaml "
+                                 "collect.checkpoint=c"), launched
+        assert "--nnodes 2 --node-rank 1" in launched and "--local-addr 10.0.0.2" in launched
+    proc = multinode(tmp_path, JOB="serve")
+    assert proc.returncode == 2 and "JOB=serve: the job is train, collect or eval" in proc.stderr
