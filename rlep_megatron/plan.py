@@ -525,6 +525,9 @@ def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[floa
         "advice": advice,
         "flops_per_step": flops, "mfu": mfu, "gpu": gpu,
         "seconds_per_step_at_mfu": seconds,
+        # dynamic sampling generates again for groups without signal: up to this many rounds
+        "max_generation_rounds": (cfg.algo.max_generation_rounds if cfg.algo.dynamic_sampling
+                                  else 1),
         "assumptions": {"overhead_gib": OVERHEAD_GIB, "usable_gib": gpu_mem_gib,
                         "vllm_workspace_gib": VLLM_WORKSPACE_GIB,
                         "sequences_at_full_length": True,
@@ -663,8 +666,14 @@ def format_plan(result: dict) -> str:
                  f"{f['rollout']:.3g}, log-probs {f['logprobs']:.3g}, train {f['train']:.3g});"
                  f" {result['seconds_per_step_at_mfu']:.0f} s at {result['mfu']:.0%} MFU of "
                  f"{result['gpu'].upper()}s")
+    rounds = result.get("max_generation_rounds", 1)
+    if rounds > 1:
+        lines.append(f"  with algo.dynamic_sampling each further generation round adds "
+                     f"{f['rollout']:.3g} rollout FLOPs (up to {rounds} rounds: "
+                     f"{f['total'] + (rounds - 1) * f['rollout']:.3g} per step); the figures "
+                     "above count one round")
     verdict = "FITS" if result["fits"] else "DOES NOT FIT"
-    lines += ["", f"verdict: {verdict} (train peak {result['peak_train_gib']:.1f} GiB, rollout "
+    lines += ["", f"verdict (an estimate): {verdict} (train peak {result['peak_train_gib']:.1f} GiB, rollout "
               f"peak {result['peak_rollout_gib']:.1f} GiB of {result['gpu_mem_gib']:g}, "
               f"{result['peak_fraction']:.0%}; {result['assumptions']['overhead_gib']:g} GiB "
               "per GPU for the CUDA context, NCCL and the allocator included)"]

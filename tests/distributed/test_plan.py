@@ -278,3 +278,18 @@ def test_a_reader_that_stops_early_is_not_an_error(tiny_qwen2_dir):
         root.setLevel(level)
     assert code == 0 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
     pipe.close()  # its descriptor now points at /dev/null: closing it raises nothing
+
+
+def test_plan_counts_dynamic_samplings_generation_rounds(tiny_qwen2_dir):
+    """With algo.dynamic_sampling the plan says that each further round adds one rollout's
+    FLOPs, up to algo.max_generation_rounds; without it, one round."""
+    config = os.path.join(tiny_qwen2_dir, "config.json")
+    plain = rlep_plan(config, 1)
+    assert plain["max_generation_rounds"] == 1
+    code, out, err = rlep("plan", "--gpus-per-node", "1", "--hf-config", config,
+                          "algo.dynamic_sampling=true", "algo.max_generation_rounds=4")
+    assert code == 0, err[-2000:]
+    rollout, total = plain["flops_per_step"]["rollout"], plain["flops_per_step"]["total"]
+    assert (f"adds {rollout:.3g} rollout FLOPs (up to 4 rounds: {total + 3 * rollout:.3g} per "
+            "step)") in out
+    assert "verdict (an estimate): FITS" in out
