@@ -16,6 +16,16 @@ from rlep_megatron.tiny_model import make_tiny_model
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# one thread for the torch work done in the test processes themselves (as the jobs they start
+# get OMP_NUM_THREADS=1): with a second worker or job on the other core, torch's default of one
+# thread per core spins on a busy core (the memorised warm start: 22 s instead of 6 with one
+# core busy, on a 2-core AMD EPYC)
+torch.set_num_threads(1)
+
+# the heavy tiers first: pytest-xdist's workers then end on short unit tests, not one waiting
+# for the other's long job
+_TIER_ORDER = ("distributed", "e2e", "vllm")
+
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pytest.ini): one worker per core, at most one per 10 GiB of memory (a
@@ -27,6 +37,12 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    def tier(item):
+        parts = item.nodeid.split("/")
+        return (_TIER_ORDER.index(parts[1]) if len(parts) > 2 and parts[1] in _TIER_ORDER
+                else len(_TIER_ORDER))
+
+    items.sort(key=tier)  # stable: each tier keeps its order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
