@@ -235,6 +235,23 @@ def test_readme_is_a_front_page_with_its_two_commands_first():
     assert test_command in read(os.path.join(REPO_ROOT, ".ci", "run"))
 
 
+def test_the_readme_lists_say_where_each_feature_and_model_has_run():
+    """Each Features bullet ends with its mark (`[CPU]`, or `[CPU; 1 GPU: ...]`), and each
+    Supported-models row says what ran on a GPU so far: no feature reads as GPU-verified
+    without saying so."""
+    text = read(os.path.join(REPO_ROOT, "README.md"))
+    features = text.split("## Features\n", 1)[1].split("\n## ", 1)[0]
+    bullets = ["- " + b for b in features.split("\n- ")[1:]]
+    assert len(bullets) >= 5
+    for bullet in bullets:
+        assert re.search(r"`\[CPU(; 1 GPU: [^`]+)?\]`\s*$", bullet.strip()), bullet
+    models = text.split("## Supported models\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in models.splitlines() if line.startswith("| ")]
+    assert rows[0].rstrip(" |").endswith("GPU so far")
+    assert all(row.count("|") == rows[0].count("|") and row.split("|")[-2].strip()
+               for row in rows[2:])
+
+
 def test_the_demo_paragraph_gives_a_range_and_says_what_the_demo_is_for():
     text = read(os.path.join(REPO_ROOT, "README.md"))
     demo = text.split("## Quickstart 1: the tiny demo", 1)[1].split("\n## ", 1)[0]
