@@ -29,7 +29,8 @@ def _hf_config(cfg: RunConfig, problems: list[str]) -> Optional[dict]:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         where = "is not a directory" if not os.path.isdir(hf_dir) else "is not an HF checkpoint"
-        problems.append(f"model.hf_dir={hf_dir!r} has no config.json ({where})")
+        problems.append(f"model.hf_dir={hf_dir!r} has no config.json ({where}); a hub "
+                        "name must already be in the local HF cache (hf download <name>)")
         return None
     try:
         with open(path) as f:

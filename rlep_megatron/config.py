@@ -24,10 +24,30 @@ from typing import Any, Literal, Optional
 import yaml
 
 
+def resolve_hub_name(name: str) -> str:
+    """``name`` when it is a local path (or empty); a Hugging Face hub name (``org/model``) that
+    the local HF cache holds -> its snapshot directory there. Nothing is downloaded (every rank
+    would download at once): ``hf download org/model`` fills the cache first. A name that is in
+    no cache stays as it is, and the check of ``model.hf_dir`` reports it."""
+    import os
+
+    if (not name or os.path.exists(name) or name.count("/") != 1
+            or name.startswith((".", "/", "~")) or name.endswith("/")):
+        return name
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, not a valid repo id, no hub client
+        return name
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     hf_dir: str = ""
-    """HF checkpoint directory (config.json, tokenizer, safetensors) the run starts from."""
+    """HF checkpoint directory (config.json, tokenizer, safetensors) the run starts from, or a
+    Hugging Face hub name (``Qwen/Qwen2.5-Math-7B``) already in the local HF cache (``hf
+    download`` puts it there; a job never downloads)."""
     mcore_dir: str = ""
     """Optional megatron-core dist checkpoint converted from ``hf_dir``; used instead of the
     safetensors when set (faster start for large models)."""
@@ -55,6 +75,7 @@ class ModelConfig:
     ``grouped``. Both keep the same parameters and checkpoints. Dense models ignore it."""
 
     def __post_init__(self):
+        object.__setattr__(self, "hf_dir", resolve_hub_name(self.hf_dir))
         if self.logprob_chunk_tokens < 0:
             raise ValueError("model.logprob_chunk_tokens must be >= 0 (0: full logits), got "
                              f"{self.logprob_chunk_tokens}")

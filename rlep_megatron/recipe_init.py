@@ -41,7 +41,9 @@ def _largest_divisor(start: int, *numbers: Optional[int]) -> int:
 
 
 def _model_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
+    from rlep_megatron.config import resolve_hub_name
+
+    path = os.path.join(resolve_hub_name(model_dir), "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{model_dir!r} is not an HF model directory (no config.json)")
     with open(path) as f:

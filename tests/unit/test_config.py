@@ -368,3 +368,32 @@ def test_init_fits_the_batch_to_a_small_dataset_and_runs_the_preflight(tmp_path,
                  str(broken)]) == 2
     assert "missing column 'reward_model'" in capsys.readouterr().err
     assert not (tmp_path / "b.yaml").exists()
+
+
+def test_a_hub_name_resolves_from_the_local_cache_offline(tmp_path, monkeypatch, tiny_qwen2_dir):
+    """model.hf_dir (and rlep init --model) as ``org/name``: the snapshot in the local HF cache
+    (laid out as huggingface_hub writes it), with no network; a name in no cache is reported by
+    the model check with what to do."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from rlep_megatron.checks import check_run_config
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-qwen2"
+    shutil.copytree(tiny_qwen2_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # no local directory of that name
+    cfg = config_lib.load_config(None, ["model.hf_dir=tiny-org/tiny-qwen2"])
+    assert cfg.model.hf_dir == str(repo / "snapshots" / commit)
+    from rlep_megatron.recipe_init import _model_config
+
+    assert _model_config("tiny-org/tiny-qwen2")["model_type"] == "qwen2"  # rlep init --model
+    missing = config_lib.load_config(None, ["model.hf_dir=tiny-org/not-cached"])
+    assert missing.model.hf_dir == "tiny-org/not-cached"
+    with pytest.raises(ValueError, match=r"hf download <name>"):
+        check_run_config(missing, "train")
