@@ -1,7 +1,10 @@
 """Run a script or a ``module:function`` under torchrun with N CPU ranks, from tests."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -42,35 +45,44 @@ def run_torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: f
     return proc
 
 
-def run_tool_in_process(script: str, args: Sequence[str]) -> subprocess.CompletedProcess:
-    """``python <script> <args>`` run in this process: a ``tools/`` converter's ``main()``
-    with ``sys.argv`` set, its output captured, and the environment it changes (the single
-    rank's RANK, MASTER_PORT, ...) restored. A converter tears down its process group and
-    megatron's parallel state itself; this saves the process start (torch, megatron and
-    transformers imported again, several seconds each time). The exit codes of the real
-    programs are checked by a test that runs them as programs."""
-    import contextlib
-    import io
-    import logging
-    import runpy
-
-    root = logging.getLogger()  # the tool sets up its logging on the captured stderr
+@contextlib.contextmanager
+def command_in_this_process():
+    """Around a command run in this process (``rlep_megatron.cli.main(argv)``, a tool's
+    ``main()``): yields ``(stdout, stderr)`` StringIOs that capture its output, and restores the
+    environment it changes (a single rank's RANK, MASTER_PORT, ...) and the root logger's
+    handlers and level (the command sets up its logging on the captured stderr)."""
+    root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    argv, environ = sys.argv, dict(os.environ)
+    environ = dict(os.environ)
     stdout, stderr = io.StringIO(), io.StringIO()
-    sys.argv = [script, *args]
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            namespace = runpy.run_path(os.path.join(REPO_ROOT, script))
-            code = namespace["main"]()
-    except SystemExit as exit_:  # argparse
-        code = exit_.code if isinstance(exit_.code, int) else 1
+            yield stdout, stderr
     finally:
-        sys.argv = argv
         os.environ.clear()
         os.environ.update(environ)
         root.handlers[:] = handlers
         root.setLevel(level)
+
+
+def run_tool_in_process(script: str, args: Sequence[str]) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` run in this process: a ``tools/`` converter's ``main()``
+    with ``sys.argv`` set (:func:`command_in_this_process`). A converter tears down its
+    process group and megatron's parallel state itself; this saves the process start (torch,
+    megatron and transformers imported again, several seconds each time). The exit codes of
+    the real programs are checked by a test that runs them as programs."""
+    import runpy
+
+    argv = sys.argv
+    sys.argv = [script, *args]
+    try:
+        with command_in_this_process() as (stdout, stderr):
+            try:
+                code = runpy.run_path(os.path.join(REPO_ROOT, script))["main"]()
+            except SystemExit as exit_:  # argparse
+                code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        sys.argv = argv
     return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(),
                                        stderr.getvalue())
 

@@ -76,6 +76,7 @@ class LearningSide:
                                overlap_param_gather=cfg.optim.overlap_param_gather,
                                grad_reduce_in_fp32=cfg.optim.grad_reduce_dtype == "float32")
         self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
+        self.optimizer.total_steps = cfg.trainer.total_steps  # where a decay of length 0 ends
         # a mixture-of-experts actor records its old-log-prob pass's routing (compared with
         # the engine's for rollout/routing_mismatch_frac); algo.routing_replay=actor replays it
         # in the updates, =rollout the engine's
@@ -216,7 +217,6 @@ class LearningSide:
         from rlep_megatron.actor.train_step import train_mini_batch
 
         self.optimizer.training_step = version  # the lr schedule counts training steps
-        self.optimizer.total_steps = self.cfg.trainer.total_steps
         cfg = self.cfg
         results = [train_mini_batch(self.chunks, self.optimizer, self.info, tb, cfg.algo,
                                     cfg.trainer.micro_batch_max_tokens,

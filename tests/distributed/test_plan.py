@@ -2,15 +2,13 @@
 elements counted on the built model and its megatron optimizer at several layouts, and the
 activation estimate against the bytes autograd saves in a real forward pass."""
 import contextlib
-import io
 import json
-import logging
 import os
 import re
 
 import pytest
 
-from tests.torchrun import REPO_ROOT, Cases
+from tests.torchrun import REPO_ROOT, Cases, command_in_this_process
 
 pytestmark = pytest.mark.distributed
 
@@ -71,18 +69,11 @@ def rlep(*args: str) -> tuple[int, str, str]:
     simulated process group, torn down afterwards): exit code, stdout, stderr."""
     from rlep_megatron.cli import main
 
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with command_in_this_process() as (out, err):
         try:
             code = main(list(args))
         except SystemExit as exit_:
             code = exit_.code
-        finally:
-            # the command's log handler writes to the captured stderr: not to later tests
-            root.handlers[:] = handlers
-            root.setLevel(level)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -257,25 +248,15 @@ def test_plan_refuses_bad_input(tiny_qwen2_dir):
 def test_a_reader_that_stops_early_is_not_an_error(tiny_qwen2_dir):
     """``rlep plan --json | head -1``: the pipe closes before the plan is written out; the
     command ends with 0 and no traceback (it used to end in BrokenPipeError)."""
-    import sys
-
     from rlep_megatron.cli import main
 
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone
-    stdout, pipe = sys.stdout, open(write_end, "w")
-    err = io.StringIO()
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        sys.stdout = pipe
-        with contextlib.redirect_stderr(err):
+    pipe = open(write_end, "w")
+    with command_in_this_process() as (_, err):
+        with contextlib.redirect_stdout(pipe):
             code = main(["plan", "--json", "--gpus-per-node", "2", "--hf-config",
                          os.path.join(tiny_qwen2_dir, "config.json")])
-    finally:
-        sys.stdout = stdout
-        root.handlers[:] = handlers
-        root.setLevel(level)
     assert code == 0 and "Traceback" not in err.getvalue(), err.getvalue()[-2000:]
     pipe.close()  # its descriptor now points at /dev/null: closing it raises nothing
 
