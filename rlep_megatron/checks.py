@@ -159,13 +159,13 @@ def preflight(cfg: RunConfig, command: str = "config"):
     check_run_config(cfg, command)
     if command not in ("config", "train"):
         return None
-    from rlep_megatron.data.sampler import PromptSampler
+    from rlep_megatron.data.sampler import make_prompt_sampler
     from rlep_megatron.rollout.side import load_training_data
 
     data = load_training_data(cfg)
-    # data.drop_last: a dataset smaller than one batch gives no batch at all
-    PromptSampler(len(data[0]), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle,
-                  cfg.data.drop_last)
+    # data.drop_last: a dataset smaller than one batch gives no batch at all; the mixing
+    # weights name files and data sources the data has
+    make_prompt_sampler(cfg, data[0])
     return data
 
 

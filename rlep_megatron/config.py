@@ -15,6 +15,7 @@ Configs are never mutated after construction; derive a new one with ``dataclasse
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -143,10 +144,21 @@ class DataConfig:
     """Seeded shuffle of the training rows every epoch."""
     drop_last: bool = True
     """Drop the incomplete last batch of an epoch."""
+    train_weights: dict[str, float] = field(default_factory=dict)
+    """Mixing weights of the training data, keyed by file of ``train_files`` or by
+    ``data_source`` (one kind of key, every source given a weight; 0 leaves one out): each row
+    of a batch comes from a source drawn with probability weight / sum, as that source's next
+    row in its own seeded shuffle (a small source with a large weight repeats). Empty: every
+    row once per epoch (``shuffle``, ``drop_last``)."""
 
     def __post_init__(self):
         if self.train_batch_size < 1:
             raise ValueError(f"data.train_batch_size must be >= 1, got {self.train_batch_size}")
+        weights = self.train_weights
+        if weights and (any(not math.isfinite(w) or w < 0 for w in weights.values())
+                        or sum(weights.values()) <= 0):
+            raise ValueError(f"data.train_weights: every weight must be a finite number >= 0, "
+                             f"and one > 0; got {weights}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
@@ -880,6 +892,12 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if value not in args:
             raise ValueError(f"{key}: {value!r} is not one of {list(args)}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: expected a mapping ({{name: value, ...}}), got "
+                             f"{type(value).__name__} {value!r}")
+        return {_coerce(f"{key} (a key)", k, args[0]): _coerce(f"{key}[{k!r}]", v, args[1])
+                for k, v in value.items()}
     if origin is list:
         if isinstance(value, str):
             if "," in value and not os.path.exists(value):

@@ -117,6 +117,8 @@ class PromptRows:
     behaviour: list[Optional[list[Optional[dict]]]] = field(default_factory=list)
     """Per row, per candidate: ``{"token_ids", "logprobs", "version"}`` of the policy that
     sampled it, or ``None`` (a pool without the optional columns: all ``None``)."""
+    file: list[str] = field(default_factory=list)
+    """The file each row was read from (empty for rows made in memory)."""
 
     def __len__(self) -> int:
         return len(self.data_source)
@@ -128,7 +130,8 @@ class PromptRows:
         behaviour = self.behaviour or [None] * len(self)
         return PromptRows(*([getattr(self, name)[r] for r in rows] for name in
                             ("data_source", "messages", "ground_truth", "candidates", "index")),
-                          behaviour=[behaviour[r] for r in rows])
+                          behaviour=[behaviour[r] for r in rows],
+                          file=[self.file[r] for r in rows] if self.file else [])
 
     def deduplicate(self) -> "PromptRows":
         """First occurrence of every distinct prompt (the public DAPO file repeats each ~100x)."""
@@ -186,6 +189,7 @@ def read_prompt_file(path: str, behaviour: bool = False) -> PromptRows:
         if source is None or truth is None or not messages:
             raise ValueError(f"{path}: row {row} has an empty data_source, prompt or "
                              "reward_model.ground_truth")
+    rows.file = [path] * len(rows.data_source)
     return rows
 
 
@@ -231,7 +235,7 @@ def read_prompt_files(paths: Sequence[str], deduplicate: bool = False,
     for path in paths:
         part = read_prompt_file(path, behaviour=behaviour)
         for name in ("data_source", "messages", "ground_truth", "candidates", "index",
-                     "behaviour"):
+                     "behaviour", "file"):
             getattr(merged, name).extend(getattr(part, name))
     return merged.deduplicate() if deduplicate else merged
 

@@ -91,7 +91,7 @@ class RolloutSide:
     """Prompts in, scored groups out; see the module docstring."""
 
     def __init__(self, cfg, scheduler, tokenizer, eos_token_id: int, train_rows, pool):
-        from rlep_megatron.data.sampler import PromptSampler
+        from rlep_megatron.data.sampler import make_prompt_sampler
         from rlep_megatron.replay.pool import OnlinePool, ReplaySampler
         from rlep_megatron.reward import make_scorer_pool
 
@@ -99,8 +99,7 @@ class RolloutSide:
         self.scheduler = scheduler
         self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
         self.train_rows, self.pool = train_rows, pool
-        self.sampler = PromptSampler(len(train_rows), cfg.data.train_batch_size,
-                                     cfg.trainer.seed, cfg.data.shuffle, cfg.data.drop_last)
+        self.sampler = make_prompt_sampler(cfg, train_rows)
         self.replay_sampler = (ReplaySampler(pool, cfg.replay.num_replays_per_prompt,
                                              cfg.trainer.seed) if pool is not None else None)
         self.online_pool = pool if isinstance(pool, OnlinePool) else None

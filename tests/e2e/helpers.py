@@ -41,6 +41,18 @@ def reference_pool(task: dict[str, str], path: str, wrong_second: bool = False) 
     return path
 
 
+def split_train_file(task: dict[str, str], directory: str) -> list[str]:
+    """The task's training rows in two files, the first and second half."""
+    from rlep_megatron.data.schema import rows_to_table, write_table_atomic
+
+    rows = read_prompt_file(task["train"])
+    half = len(rows) // 2
+    paths = [os.path.join(directory, name) for name in ("first.parquet", "second.parquet")]
+    for path, part in zip(paths, (range(half), range(half, len(rows)))):
+        write_table_atomic(rows_to_table(rows.select(list(part))), path)
+    return paths
+
+
 def train_overrides(model_dir: str, task: dict[str, str], out: str, steps: int) -> list[str]:
     return [f"model.hf_dir={model_dir}", f"data.train_files=[{task['train']}]",
             f"data.val_files=[{task['val']}]", "data.train_batch_size=4",

@@ -7,7 +7,7 @@ import pytest
 
 from tests import requires
 from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool,
-                               run_rlep, small_task, train_overrides)
+                               run_rlep, small_task, split_train_file, train_overrides)
 from tests.e2e.test_sync_equivalence import weights_digest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -62,13 +62,18 @@ def test_a_run_killed_between_checkpoints_resumes_to_the_straight_run(inputs, tm
     (SIGKILL to every process) once step 3 is logged, then started again: it resumes from
     step 2 and ends with the straight run's metrics and weights. In the straight run no token
     is more than one version old, and the steps before a checkpoint (drain points) train the
-    batch generated ahead of them while the steps after one start afresh."""
+    batch generated ahead of them while the steps after one start afresh. The training rows
+    come from two files mixed 3:1 (``data.train_weights``): the mixing sampler's place is part
+    of what resumes exactly."""
+    first, second = split_train_file(inputs[1], str(tmp_path))
+    mixed = ("trainer.max_staleness=1", f"data.train_files=[{first},{second}]",
+             f"data.train_weights={{{first}: 3, {second}: 1}}")
     straight = tmp_path / "straight"
-    run_rlep(args_for(inputs, straight, 6, "trainer.max_staleness=1"), nproc=2)
+    run_rlep(args_for(inputs, straight, 6, *mixed), nproc=2)
     stale = [e["rollout/staleness_max"] for e in read_jsonl(straight / "metrics.jsonl")[1:]]
     assert stale == [0, 1, 0, 1, 0, 1]
     killed = tmp_path / "killed"
-    args = args_for(inputs, killed, 6, "trainer.max_staleness=1")
+    args = args_for(inputs, killed, 6, *mixed)
     # SIGKILL to every process as step 4's training begins (step 3 logged, its batch's
     # successor already generated ahead; the last checkpoint is step 2's)
     proc = run_rlep(args, nproc=2, check=False, env={"RLEP_FAULT_INJECT": "kill@train:4"})

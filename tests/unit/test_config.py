@@ -308,6 +308,11 @@ def _preflight_case(case: str, tmp_path) -> tuple[list[str], list[str], str]:
     if case == "dataset smaller than one batch":
         return (["data.train_batch_size=8"], ["data.train_batch_size=4"],
                 "the dataset has 4 rows, fewer than one batch of data.train_batch_size=8")
+    if case == "mixing weight names no source":
+        files = [f"data.train_files=[{task['train']}]"]
+        return ([*files, "data.train_weights={tiny_arith: 1, tiny_algebra: 2}"],
+                [*files, "data.train_weights={tiny_arith: 1}"],
+                "data.train_weights: 'tiny_algebra' is neither a file of data.train_files")
     if case == "logger not installed":
         return (["trainer.loggers=[tensorboard,wandb]"], ["trainer.loggers=[tensorboard]"],
                 "trainer.loggers includes wandb but the wandb package is not installed")
@@ -316,7 +321,7 @@ def _preflight_case(case: str, tmp_path) -> tuple[list[str], list[str], str]:
 
 PREFLIGHT = ["missing column", "unknown data_source", "reward function fails on a sample",
              "pool shares no question", "dataset smaller than one batch",
-             "logger not installed"]
+             "mixing weight names no source", "logger not installed"]
 
 
 @pytest.mark.parametrize("case", PREFLIGHT)

@@ -10,6 +10,7 @@ import pytest
 
 from rlep_megatron.data import (PromptSampler, read_prompt_file, read_prompt_files,
                                 rows_to_table, tokenize_prompt, write_table_atomic)
+from rlep_megatron.data.sampler import MixtureSampler, make_prompt_sampler, mixture_sources
 from rlep_megatron.data.prepare import DAPO_PREFIX, DAPO_SUFFIX
 from rlep_megatron.reward import compute_score
 from tests.torchrun import REPO_ROOT
@@ -217,6 +218,97 @@ def test_sampler_resume_mid_epoch_gives_the_same_future():
     assert got == expected
     with pytest.raises(ValueError, match="batch_size"):
         PromptSampler(num_rows=23, batch_size=4, seed=11).load_state_dict(state)
+
+
+def _mixture_files(tmp_path):
+    """Three training files: a.parquet (6 rows of data_source s1), b.parquet (3 rows of s2)
+    and c.parquet (2 rows, s1 and s2)."""
+    from rlep_megatron.data.schema import PromptRows
+
+    paths = []
+    for name, sources in (("a", ["s1"] * 6), ("b", ["s2"] * 3), ("c", ["s1", "s2"])):
+        rows = PromptRows(data_source=sources,
+                          messages=[[{"role": "user", "content": f"{name}{i}"}]
+                                    for i in range(len(sources))],
+                          ground_truth=["1"] * len(sources), candidates=[None] * len(sources),
+                          index=[f"{name}{i}" for i in range(len(sources))])
+        path = str(tmp_path / f"{name}.parquet")
+        write_table_atomic(rows_to_table(rows), path)
+        paths.append(path)
+    return paths, read_prompt_files(paths)
+
+
+def _within_3_standard_errors(count, draws, probability):
+    return abs(count - draws * probability) <= 3 * (draws * probability * (1 - probability)) ** .5
+
+
+@pytest.mark.parametrize("by", ["file", "data_source"])
+def test_mixing_weights_draw_each_source_in_proportion(tmp_path, by):
+    """data.train_weights: over 1000 draws (250 batches of 4) each source's share is within 3
+    binomial standard errors of weight / sum; rows come from their source in its own shuffle,
+    each once per pass through the source; a weight of 0 leaves a source out."""
+    import types
+
+    paths, rows = _mixture_files(tmp_path)
+    weights = ({paths[0]: 1.0, paths[1]: 3.0, paths[2]: 0.0} if by == "file"
+               else {"s1": 1.0, "s2": 3.0})
+    cfg = types.SimpleNamespace(
+        data=types.SimpleNamespace(train_files=paths, train_weights=weights,
+                                   train_batch_size=4, shuffle=True, drop_last=True),
+        trainer=types.SimpleNamespace(seed=5))
+    sampler = make_prompt_sampler(cfg, rows)
+    assert isinstance(sampler, MixtureSampler)
+    drawn = [row for _ in range(250) for row in sampler.next_global_batch()]
+    column = rows.file if by == "file" else rows.data_source
+    counts = {}
+    for row in drawn:
+        counts[column[row]] = counts.get(column[row], 0) + 1
+    first, second = (paths[0], paths[1]) if by == "file" else ("s1", "s2")
+    assert set(counts) == {first, second}  # c.parquet (weight 0) never drawn
+    assert _within_3_standard_errors(counts[first], 1000, 0.25), counts
+    assert _within_3_standard_errors(counts[second], 1000, 0.75), counts
+    # each source is gone through in its own order: every row once per pass
+    own = [row for row in drawn if column[row] == second]
+    size = sum(1 for value in column if value == second)
+    for start in range(0, len(own) - size + 1, size):
+        assert sorted(own[start:start + size]) == sorted(
+            i for i, value in enumerate(column) if value == second)
+
+
+def test_mixing_sampler_resumes_exactly_and_refuses_other_weights(tmp_path):
+    paths, rows = _mixture_files(tmp_path)
+    groups = mixture_sources(rows, paths, {paths[0]: 2, paths[1]: 1, paths[2]: 1})
+    make = lambda: MixtureSampler(groups[1], groups[2], groups[0], 5, seed=11)  # noqa: E731
+    straight = make()
+    expected = [straight.next_global_batch() for _ in range(9)]  # several passes of each
+    first = make()
+    got = [first.next_global_batch() for _ in range(4)]
+    state = json.loads(json.dumps(first.state_dict()))  # survives serialisation
+    resumed = make()
+    resumed.load_state_dict(state)
+    got += [resumed.next_global_batch() for _ in range(5)]
+    assert got == expected
+    other = MixtureSampler(groups[1], [2, 1, 2], groups[0], 5, seed=11)
+    with pytest.raises(ValueError, match="data.train_weights"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved without data.train_weights"):
+        make().load_state_dict(PromptSampler(11, 5, seed=11).state_dict())
+
+
+def test_mixing_weights_bad_keys(tmp_path):
+    paths, rows = _mixture_files(tmp_path)
+    with pytest.raises(ValueError, match="not both"):
+        mixture_sources(rows, paths, {paths[0]: 1, "s2": 1})
+    with pytest.raises(ValueError, match="gives no weight to .*c.parquet"):
+        mixture_sources(rows, paths, {paths[0]: 1, paths[1]: 1})
+    with pytest.raises(ValueError, match="'s3' is neither a file"):
+        mixture_sources(rows, paths, {"s1": 1, "s2": 1, "s3": 1})
+    from rlep_megatron.config import load_config
+
+    with pytest.raises(ValueError, match="data.train_weights: every weight"):
+        load_config(None, ["data.train_weights={s1: -1}"])
+    with pytest.raises(ValueError, match="data.train_weights: expected a mapping"):
+        load_config(None, ["data.train_weights=[s1]"])
 
 
 def test_sampler_bad_sizes():
