@@ -140,28 +140,23 @@ def launch_command(recipe: str, gpus: int, nodes: int, roles: bool = False) -> s
             f"GPUS_PER_NODE={gpus} scripts/train_multinode.sh {recipe}")
 
 
-RENDEZVOUS_PORT = 29500
-
-
-def torchrun_lines(recipe: str, gpus: int, nodes: int, job: str = "train",
+def launcher_lines(recipe: str, gpus: int, nodes: int, job: str = "train",
                    rollout_nodes: int = 0) -> list[str]:
-    """The raw ``torchrun`` line of each node (``$MASTER_ADDR``: node 0's address, left to the
-    shell), what ``scripts/train_multinode.sh`` and the Slurm template of docs/multinode.md
-    run: a c10d rendezvous hosted on node 0, ``gpus`` ranks per node. With ``rollout_nodes``
-    the last nodes' lines set ``RLEP_NODE_ROLE=rollout`` and the others ``train``."""
+    """Each node's line of the one launcher, ``scripts/train_multinode.sh`` (which the Slurm
+    template of docs/multinode.md runs too): ``$MASTER_ADDR`` is node 0's address, left to the
+    shell; ``JOB=collect`` / ``eval`` for the other jobs. With ``rollout_nodes`` the last
+    nodes' lines say ``NODE_ROLE=rollout`` and the others ``train``."""
+    prefix = "" if job == "train" else f"JOB={job} "
     if nodes == 1:
-        return [f"torchrun --standalone --nproc-per-node {gpus} -m rlep_megatron.cli {job} "
-                f"--config {recipe}"]
-    endpoint = f"$MASTER_ADDR:{RENDEZVOUS_PORT}"
+        return [f"{prefix}scripts/train_local.sh {gpus} {recipe}"]
 
     def role(rank: int) -> str:
         if not rollout_nodes:
             return ""
-        return f"RLEP_NODE_ROLE={'rollout' if rank >= nodes - rollout_nodes else 'train'} "
-    return [f"{role(rank)}torchrun --nnodes {nodes} --node-rank {rank} --nproc-per-node {gpus} "
-            f"--rdzv-backend c10d --rdzv-endpoint {endpoint} "
-            f"--rdzv-id rlep-$MASTER_ADDR-{RENDEZVOUS_PORT} --rdzv-conf is_host={int(rank == 0)} "
-            f"-m rlep_megatron.cli {job} --config {recipe}" for rank in range(nodes)]
+        return f"NODE_ROLE={'rollout' if rank >= nodes - rollout_nodes else 'train'} "
+    return [f"{prefix}NNODES={nodes} NODE_RANK={rank} MASTER_ADDR=$MASTER_ADDR "
+            f"GPUS_PER_NODE={gpus} {role(rank)}scripts/train_multinode.sh {recipe}"
+            for rank in range(nodes)]
 
 
 def separate_rollout(raw: dict, gpus: int, rollout_nodes: int, servers: list[str]) -> list[str]:
@@ -248,20 +243,19 @@ def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: l
         print(f"adapted: {note}")
     print(f"wrote {path} (from examples/{name})\nnext: rlep config --config {path}\n"
           f"then: {launch_command(path, gpus, nodes, bool(rollout_nodes))}")
-    if gpus * nodes > 1:
-        lines = torchrun_lines(path, gpus, nodes, rollout_nodes=rollout_nodes)
-        where = ("" if nodes == 1 else
-                 " (each node its own line; MASTER_ADDR: node 0's address on the network the "
-                 "nodes share)")
-        print(f"or torchrun{where}:")
+    if nodes > 1:
+        lines = launcher_lines(path, gpus, nodes, rollout_nodes=rollout_nodes)
+        print("on each node (MASTER_ADDR: node 0's address on the network the nodes share; "
+              "IFNAME=<interface> on nodes with several; JOB=collect or JOB=eval in front for "
+              "those jobs):")
         shown = lines if len(lines) <= 4 else lines[:2]
         for rank, line in enumerate(shown):
-            print(f"  node {rank}: {line}" if nodes > 1 else f"  {line}")
+            print(f"  node {rank}: {line}")
         if len(shown) < len(lines):
-            print(f"  node r = 2 .. {nodes - 1}: node 1's line with --node-rank r")
+            print(f"  node r = 2 .. {nodes - 1}: node 1's line with NODE_RANK=r")
     if rollout_nodes:
         print(f"nodes {training_nodes} .. {nodes - 1} (the last {rollout_nodes}) start the vLLM "
-              "servers (NODE_ROLE=rollout, or RLEP_NODE_ROLE=rollout before torchrun); the "
+              "servers (NODE_ROLE=rollout); the "
               "others train (NODE_ROLE=train). Set the role on every node: torchrun numbers "
               "the nodes in its own order, not by NODE_RANK")
     if rollout_servers:

@@ -18,7 +18,7 @@ def test_init_and_plan_agree_on_the_world_size(monkeypatch, capsys):
 
     def fake_write_recipe(path, model, train, val, gpus, nodes, **_):
         seen["init"] = gpus * nodes
-        print(recipe_init.torchrun_lines(path, gpus, nodes)[0])
+        print(recipe_init.launcher_lines(path, gpus, nodes)[0])
 
     def fake_plan(cfg, hf_config, gpus, *args, **kwargs):
         seen["plan"] = gpus
@@ -32,9 +32,9 @@ def test_init_and_plan_agree_on_the_world_size(monkeypatch, capsys):
     assert main(["init", "r.yaml", "--model", "m", "--train", "t.parquet", *size]) == 0
     assert main(["plan", *size]) == 0
     assert seen == {"init": 32, "plan": 32}
-    # the torchrun line of node 0 starts 8 ranks on each of 4 nodes
+    # node 0's launcher line: 8 ranks on each of 4 nodes
     line = capsys.readouterr().out
-    assert "--nnodes 4 --node-rank 0 --nproc-per-node 8" in line
+    assert "NNODES=4 NODE_RANK=0 MASTER_ADDR=$MASTER_ADDR GPUS_PER_NODE=8 " in line
     # both default to one GPU
     assert main(["plan"]) == 0 and seen["plan"] == 1
 
@@ -48,16 +48,16 @@ def test_the_old_gpus_flag_is_refused_with_the_new_spelling(command, capsys):
     assert "--nodes" in err and "--gpus-per-node" in err
 
 
-def test_torchrun_lines_of_several_nodes():
-    from rlep_megatron.recipe_init import torchrun_lines
+def test_launcher_lines_of_one_and_several_nodes():
+    from rlep_megatron.recipe_init import launcher_lines
 
-    lines = torchrun_lines("r.yaml", 8, 2, job="collect")
-    assert len(lines) == 2
-    for rank, line in enumerate(lines):
-        assert f"--node-rank {rank} " in line and f"is_host={int(rank == 0)}" in line
-        assert line.endswith("-m rlep_megatron.cli collect --config r.yaml")
-    assert torchrun_lines("r.yaml", 8, 1) == [
-        "torchrun --standalone --nproc-per-node 8 -m rlep_megatron.cli train --config r.yaml"]
+    lines = launcher_lines("r.yaml", 8, 2, job="collect", rollout_nodes=1)
+    assert lines == [
+        "JOB=collect NNODES=2 NODE_RANK=0 MASTER_ADDR=$MASTER_ADDR GPUS_PER_NODE=8 "
+        "NODE_ROLE=train scripts/train_multinode.sh r.yaml",
+        "JOB=collect NNODES=2 NODE_RANK=1 MASTER_ADDR=$MASTER_ADDR GPUS_PER_NODE=8 "
+        "NODE_ROLE=rollout scripts/train_multinode.sh r.yaml"]
+    assert launcher_lines("r.yaml", 8, 1) == ["scripts/train_local.sh 8 r.yaml"]
 
 
 @pytest.mark.parametrize("key", ["trainer.n_gpus_per_node", "trainer.nnodes", "trainer.n_gpus",

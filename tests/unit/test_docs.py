@@ -290,8 +290,18 @@ for (( node = 0; node < SLURM_NNODES; node++ )); do SLURM_NODEID=$node "$@"; don
 """
 
 
-def test_the_slurm_template_runs_the_torchrun_lines_rlep_init_prints(tmp_path, tiny_qwen2_dir,
-                                                                       capsys):
+# an interpreter that shows the torchrun command the launcher runs, and runs anything else
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2; echo torchrun "$@"; exit 0; fi
+exec python3 "$@"
+"""
+
+
+def test_the_slurm_template_runs_the_launcher_lines_rlep_init_prints(tmp_path, tiny_qwen2_dir,
+                                                                      capsys):
+    """One launcher: the Slurm template of docs/multinode.md and the lines `rlep init --nodes 2
+    --gpus-per-node 8` prints run scripts/train_multinode.sh, and for each node end in the
+    same torchrun command (rendered by bash, with stand-ins for Slurm and the interpreter)."""
     from rlep_megatron.cli import main
     from rlep_megatron.data.prepare import convert_jsonl
 
@@ -313,25 +323,38 @@ def test_the_slurm_template_runs_the_torchrun_lines_rlep_init_prints(tmp_path, t
     finally:
         os.chdir(cwd)
     printed = [line.split(":", 1)[1].strip() for line in capsys.readouterr().out.splitlines()
-               if re.match(r"\s+node \d+: torchrun ", line)]
-    assert len(printed) == 2
+               if re.match(r"\s+node \d+: ", line)]
+    assert len(printed) == 2 and all("scripts/train_multinode.sh my_run.yaml" in line
+                                     for line in printed), printed
 
-    # the template rendered by bash with stand-ins for Slurm, the venv and torchrun
+    # run from a checkout (its scripts/), with stand-ins for Slurm and the interpreter
+    os.symlink(os.path.join(REPO_ROOT, "scripts"), tmp_path / "scripts")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stand_ins = {"srun": FAKE_SRUN,
-                 # node 0's host name: kept as the variable rlep init prints
-                 "scontrol": "#!/bin/bash\necho '$MASTER_ADDR'\necho node-1\n",
-                 "torchrun": '#!/bin/bash\necho torchrun "$@"\n'}
+    stand_ins = {"srun": FAKE_SRUN, "python": FAKE_PYTHON,
+                 "scontrol": "#!/bin/bash\necho node-0\necho node-1\n"}
     for name, body in stand_ins.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
-    (tmp_path / ".venv-gpu" / "bin").mkdir(parents=True)
-    (tmp_path / ".venv-gpu" / "bin" / "activate").write_text("")
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "node-[0-1]", "JOB": "train", "RECIPE": "my_run.yaml"}
-    proc = subprocess.run(["bash", "-c", template], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    rendered = [line for line in proc.stdout.splitlines() if line.startswith("torchrun ")]
-    assert [shlex.split(line) for line in rendered] == [shlex.split(line) for line in printed]
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
+           "HOME": str(tmp_path)}
+
+    def torchrun(script: str, **extra) -> list[list[str]]:
+        proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env={**env, **extra},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return [shlex.split(line) for line in proc.stdout.splitlines()
+                if line.startswith("torchrun ")]
+
+    rendered = torchrun(template, SLURM_NNODES="2", SLURM_JOB_NODELIST="node-[0-1]",
+                        JOB="train", RECIPE="my_run.yaml")
+    by_init = [command for line in printed for command in torchrun(line, MASTER_ADDR="node-0")]
+    assert len(rendered) == 2 and rendered == by_init
+    for rank, command in enumerate(rendered):
+        assert command[:5] == ["torchrun", "--nnodes", "2", "--node-rank", str(rank)]
+        assert f"is_host={int(rank == 0)}" in command and "node-0:29500" in command
+        assert command[-4:] == ["rlep_megatron.cli", "train", "--config", "my_run.yaml"]
+    # the other jobs: JOB in front of the same line
+    collect = torchrun(f"JOB=collect {printed[1]} collect.checkpoint=c", MASTER_ADDR="node-0")
+    assert collect[0][-4:] == ["collect", "--config", "my_run.yaml", "collect.checkpoint=c"]
+    assert collect[0][:5] == rendered[1][:5]

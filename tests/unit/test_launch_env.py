@@ -61,3 +61,24 @@ def test_the_multinode_launcher_runs_every_job(tmp_path):
         assert "--nnodes 2 --node-rank 1" in launched and "--local-addr 10.0.0.2" in launched
     proc = multinode(tmp_path, JOB="serve")
     assert proc.returncode == 2 and "JOB=serve: the job is train, collect or eval" in proc.stderr
+
+
+def test_one_node_is_torchrun_standalone_and_train_local_is_the_same_launcher(tmp_path):
+    """NNODES=1 (the default): no address needed, torchrun --standalone;
+    scripts/train_local.sh NPROC runs the launcher with one node of NPROC ranks, any JOB."""
+    python = tmp_path / "python"
+    python.write_text('#!/usr/bin/env bash\necho "ARGS $*"\n')
+    python.chmod(0o755)
+    variables = {k: v for k, v in os.environ.items()
+                 if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "JOB")}
+    variables["PYTHON"] = str(python)
+    expected = ("ARGS -m torch.distributed.run --standalone --nproc-per-node 2 "
+                "-m rlep_megatron.cli {job} --config r.yaml a.b=1")
+    for script, args, extra in (("train_multinode.sh", [], {"GPUS_PER_NODE": "2"}),
+                                ("train_local.sh", ["2"], {})):
+        for job in ("train", "eval"):
+            proc = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", script), *args,
+                                   "r.yaml", "a.b=1"], env={**variables, **extra, "JOB": job},
+                                  capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.splitlines()[-1] == expected.format(job=job), proc.stdout
