@@ -22,9 +22,11 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # core busy, on a 2-core AMD EPYC)
 torch.set_num_threads(1)
 
-# the heavy tiers first: pytest-xdist's workers then end on short unit tests, not one waiting
-# for the other's long job
+# the heavy tiers first, dealt to the two halves of the run (below)
 _TIER_ORDER = ("distributed", "e2e", "vllm")
+# tiers whose tests share launches or module fixtures within a file (tests.torchrun.Cases,
+# a module-scoped program run): their files are dealt whole
+_SHARED_TIERS = ("distributed", "vllm")
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -36,13 +38,36 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(os.cpu_count() or 1, int(memory_gib // 10), 8))
 
 
-def pytest_collection_modifyitems(config, items):
-    def tier(item):
-        parts = item.nodeid.split("/")
-        return (_TIER_ORDER.index(parts[1]) if len(parts) > 2 and parts[1] in _TIER_ORDER
-                else len(_TIER_ORDER))
+def _tier(item) -> str:
+    parts = item.nodeid.split("/")
+    return parts[1] if len(parts) > 2 else ""
 
-    items.sort(key=tier)  # stable: each tier keeps its order
+
+def pytest_collection_modifyitems(config, items):
+    """The order that keeps pytest-xdist's two workers (``--dist worksteal``, which gives each
+    worker one half of the list and lets an idle one take the back of the other's queue)
+    busy to the end: the heavy tiers first, dealt alternately to the two halves (a file of
+    the shared tiers as one unit), so that both workers start on heavy tests and end on the
+    short unit tests, which are what an idle worker takes over."""
+    units, by_file = [], {}
+    for item in items:
+        if _tier(item) in _SHARED_TIERS:
+            path = item.nodeid.split("::", 1)[0]
+            if path not in by_file:
+                by_file[path] = []
+                units.append(by_file[path])
+            by_file[path].append(item)
+        else:
+            units.append([item])
+    rank = {tier: i for i, tier in enumerate(_TIER_ORDER)}
+    heavy = [unit for unit in units if _tier(unit[0]) in rank]
+    heavy.sort(key=lambda unit: rank[_tier(unit[0])])  # stable: each tier keeps its order
+    light = [item for unit in units if _tier(unit[0]) not in rank for item in unit]
+    first = [item for unit in heavy[0::2] for item in unit]
+    second = [item for unit in heavy[1::2] for item in unit]
+    # each half: its heavy tests, then light ones up to half the run
+    fill = max(0, min(len(light), (len(items) + 1) // 2 - len(first)))
+    items[:] = first + light[:fill] + second + light[fill:]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
@@ -59,6 +84,27 @@ def pytest_runtest_makereport(item, call):
         report.outcome = "failed"
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         report.longrepr = (f"skipped in CI, where only gpu tests may skip: {reason}")
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Adds each phase's duration to its file's total (on xdist's controller too, which
+    receives every worker's reports)."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the suite's time goes, by file (set-up, call and tear-down summed; with several
+    workers the sum exceeds the wall time): the 20 slowest files."""
+    if not _FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"slowest files ({total:.0f} s in all tests)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{seconds:9.1f}s {100 * seconds / total:5.1f}%  {path}")
 
 
 @pytest.fixture(scope="session")

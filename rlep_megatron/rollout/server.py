@@ -96,10 +96,16 @@ def serve_environment(threads: Optional[int] = None, log_requests: bool = False
                       ) -> dict[str, str]:
     """The environment of a rollout server: its weight-update and pause routes on
     (``VLLM_SERVER_DEV_MODE``), no hub, the CPU build's KV cache size, ``threads`` CPU
-    threads."""
+    threads. Without a GPU, a one-rank server runs its model in the engine-core process, as
+    vLLM does on a GPU (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the CPU build otherwise adds a
+    worker process, which starts in about 10 s more)."""
+    from rlep_megatron import platform
+
     env = dict(os.environ)
     env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not platform.cuda_available():
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if log_requests:  # vLLM logs each request at INFO (the job's default level is WARNING)
         env["VLLM_LOGGING_LEVEL"] = "INFO"
     if threads:

@@ -194,9 +194,12 @@ def main():
         report["moved_tokens"] = len(diffs)
         report["moved_mean_abs"] = sum(diffs) / max(len(diffs), 1)
 
-        long_cfg = RolloutConfig(num_samples_per_prompt=1, max_response_tokens=1984,
+        # long responses: every one is still generating at the pause, which comes once the
+        # four have 64 tokens between them (polled every 0.25 s: even a server at 400 tokens
+        # a second per request is at about 120 each by then, far from 512)
+        long_cfg = RolloutConfig(num_samples_per_prompt=1, max_response_tokens=512,
                                  temperature=1.0)
-        engine.cfg = long_cfg  # long responses: every one is generating at the pause
+        engine.cfg = long_cfg
         engine.extra_sampling = {"ignore_eos": True}
         report["spans"] = {}
         for number, carry_over in enumerate(("keep", "resume", "restart")):
