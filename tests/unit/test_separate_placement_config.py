@@ -128,7 +128,8 @@ def test_init_writes_rollout_nodes_and_servers(tmp_path, tiny_qwen2_dir, capsys)
     out = capsys.readouterr().out
     assert raw["rollout"]["placement"] == "separate" and raw["rollout"]["num_ranks"] == 8
     assert raw["trainer"]["max_staleness"] == 1
-    assert "--nnodes 3 --node-rank 2" in out  # the rollout node's own line
+    # the rollout node's own line
+    assert "NNODES=3 NODE_RANK=2 MASTER_ADDR=$MASTER_ADDR GPUS_PER_NODE=8 NODE_ROLE=rollout " in out
     raw = write_recipe(str(tmp_path / "b.yaml"), tiny_qwen2_dir, [train], [], gpus=8, nodes=1,
                        rollout_servers=("http://gen0:8000",))
     out = capsys.readouterr().out
