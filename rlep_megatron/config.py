@@ -615,8 +615,10 @@ class TrainerConfig:
     """MLflow experiment of the run (with ``mlflow`` in ``loggers``); its run is named like the
     W&B run (``wandb_run_name``, else the output directory's name)."""
     mlflow_tracking_uri: str = ""
-    """MLflow tracking server or store; empty: MLflow's own default (``MLFLOW_TRACKING_URI``,
-    else ``./mlruns``)."""
+    """MLflow tracking server or store: a URL, ``sqlite:///mlflow.db``, or a directory
+    (``file:./mlruns``: the local file store, offline, enough with ``mlflow-skinny``); empty:
+    MLflow's own default (``MLFLOW_TRACKING_URI``, else MLflow 3's ``./mlflow.db``, which needs
+    the full ``mlflow`` package)."""
     max_staleness: int = 0
     """How many policy versions old a fresh token may be when it is trained. 0: synchronous
     (each step's prompts are generated under the weights that then train on them). k >= 1:

@@ -112,8 +112,12 @@ def open_mlflow_run(output_dir: str, experiment: str, name: str, tracking_uri: s
                     config: Optional[dict] = None) -> MlflowRun:
     """An MLflow run for ``output_dir``, its id kept in ``<output_dir>/mlflow_run_id.txt`` so
     that a resumed training run logs into the same run; a new run records the config
-    (``config.json`` artifact)."""
+    (``config.json`` artifact). A directory (``file:./mlruns``, or a path) is MLflow's local
+    file store, which works offline and with ``mlflow-skinny``; MLflow 3 refuses it unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is set, which naming one here does."""
     check_loggers(["mlflow"])
+    if tracking_uri and ("://" not in tracking_uri or tracking_uri.startswith("file:")):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     import mlflow
 
     if tracking_uri:

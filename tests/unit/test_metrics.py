@@ -213,3 +213,32 @@ def test_mlflow_gets_the_scalars_and_a_resumed_run_keeps_its_id(tmp_path, monkey
                      ("metrics", 3, {"train/pg_loss": 0.5, "val/x/mean_at_4": 1.0}), ("end",)]
     assert second == [("uri", "file:/tmp/store"), ("experiment", "exp"), ("start", "abc", None),
                       ("metrics", 3, {"train/pg_loss": 0.5, "val/x/mean_at_4": 1.0}), ("end",)]
+
+
+def test_an_mlflow_file_store_holds_the_step_metrics(tmp_path, monkeypatch):
+    """With the real MLflow (``mlflow-skinny``, offline) and a directory as the store: the run
+    directory holds every step's scalars at their steps, and the resumed run appends to the
+    same run."""
+    from tests import requires
+
+    requires("mlflow")
+    from rlep_megatron.metrics import open_mlflow_run
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    out, store = tmp_path / "run", tmp_path / "mlruns"
+    for steps in ((1, 2), (3,)):  # a run, then its resumption
+        run = open_mlflow_run(str(out), "tiny", "", f"file:{store}", {"algo": {"x": 1}})
+        with MetricsWriter(str(out), tensorboard=False, mlflow_run=run) as writer:
+            for step in steps:
+                writer.log(step, {"train/pg_loss": 0.25 * step, "val/t/mean@4": step / 10})
+    run_dirs = [p for p in store.glob("*/*") if (p / "metrics").is_dir()]
+    assert len(run_dirs) == 1, run_dirs  # one run for the run and its resumption
+    assert run_dirs[0].name == (out / "mlflow_run_id.txt").read_text().strip()
+
+    def series(name):  # MLflow's file store: one "<timestamp> <value> <step>" line per step
+        lines = (run_dirs[0] / "metrics" / name).read_text().split("\n")
+        return [(int(step), float(value)) for _, value, step in
+                (line.split() for line in lines if line)]
+    assert series("train/pg_loss") == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert series("val/t/mean_at_4") == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert (run_dirs[0] / "artifacts" / "config.json").is_file()
