@@ -210,6 +210,26 @@ def test_every_tools_command_in_the_docs_parses(monkeypatch):
     assert checked >= 6, checked
 
 
+def test_every_hf_download_line_in_the_docs_parses_as_a_dry_run(tmp_path):
+    """The download lines of docs/recipes.md, run as written with ``--dry-run`` and the hub
+    offline (these machines have no internet): the ``hf`` command accepts every argument and
+    gets as far as asking the hub (exit 1, "offline mode"), where a wrong argument would stop
+    at its usage error (exit 2)."""
+    import shutil
+    import sys
+
+    hf = shutil.which("hf", path=os.path.dirname(sys.executable)) or shutil.which("hf")
+    assert hf, "huggingface_hub's hf command is not installed"
+    lines = [(path, c) for path, c in all_commands() if c[:2] == ["hf", "download"]]
+    assert len(lines) >= 3, lines
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    for path, command in lines:
+        proc = subprocess.run([hf, *command[1:], "--dry-run"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "offline mode" in output, (path, command, output[-2000:])
+
+
 def test_every_relative_link_resolves():
     missing = []
     for path in doc_files():
