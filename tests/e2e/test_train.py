@@ -75,6 +75,11 @@ def test_rlep_two_ranks_actor_tp2(tiny_qwen2_dir, task, pool, tmp_path):
         os.path.join(tiny_qwen2_dir, "model.safetensors"))
     assert trained.keys() == initial.keys()
     assert any(not torch.equal(trained[k], initial[k]) for k in trained)
+    # transformers loads the export and gives the log-probs of the training checkpoint's actor
+    # (docs/checkpointing.md: exporting to HF)
+    proc = run_tool_in_process("tools/verify_conversion.py", [
+        "--hf-dir", str(hf_out), "--mcore-dir", str(checkpoint)])
+    assert proc.returncode == 0 and "OK" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
     reports = []
     for source in (checkpoint, hf_out):
         path = tmp_path / f"eval_{source.name}.json"

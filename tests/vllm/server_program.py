@@ -230,9 +230,11 @@ def main():
         engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
         sync_weights(engine, streamer, 21)
 
-        # failure: killed with requests in flight (long ones: none may finish before the kill)
+        # failure: killed with requests in flight (up to 1984 tokens each: none can finish
+        # before the kill, on any CPU)
         engine.extra_sampling = {"ignore_eos": True}
-        requests = engine.requests(long_cfg)
+        requests = engine.requests(RolloutConfig(num_samples_per_prompt=1,
+                                                 max_response_tokens=1984, temperature=1.0))
         start = generated_tokens(url)
         for i in range(2):
             requests.submit((0, i, 0), prompts[i], 2000 + i)
