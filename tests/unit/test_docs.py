@@ -230,6 +230,40 @@ def test_every_hf_download_line_in_the_docs_parses_as_a_dry_run(tmp_path):
         assert proc.returncode == 1 and "offline mode" in output, (path, command, output[-2000:])
 
 
+def test_every_checkpoint_a_docs_command_reads_is_one_its_recipe_keeps():
+    """A `collect.checkpoint=` / `eval.checkpoint=` of a recipe's own run in the docs (the
+    paper's pool from the baseline's step 400, its evaluation of RLEP at step 320) names a
+    step that the recipe saves (every checkpoint.save_interval_steps, and the last) and keeps
+    (the newest checkpoint.keep_last)."""
+    from rlep_megatron.config import load_config
+
+    checked = 0
+    for path, command in all_commands():
+        args = rlep_args(command) or (command[command.index("scripts/train_multinode.sh") + 1:]
+                                      if "scripts/train_multinode.sh" in command else None)
+        if not args:
+            continue
+        recipe = next((a for a in args if a.startswith("examples/") and a.endswith(".yaml")),
+                      None)
+        for arg in args:
+            found = re.fullmatch(r"(collect|eval)\.checkpoint=(\S+)/checkpoints/step_(\d+)", arg)
+            if not found or recipe is None:
+                continue
+            cfg = load_config(os.path.join(REPO_ROOT, recipe))
+            if found.group(2) != cfg.trainer.output_dir:  # another recipe's run
+                others = [n for n in os.listdir(os.path.join(REPO_ROOT, "examples"))
+                          if n.endswith(".yaml") and load_config(os.path.join(
+                              REPO_ROOT, "examples", n)).trainer.output_dir == found.group(2)]
+                assert len(others) == 1, (path, arg, others)
+                cfg = load_config(os.path.join(REPO_ROOT, "examples", others[0]))
+            every, total = cfg.checkpoint.save_interval_steps, cfg.trainer.total_steps
+            saved = sorted({*range(every, total + 1, every), total})
+            kept = saved[-cfg.checkpoint.keep_last:]
+            assert int(found.group(3)) in kept, (path, arg, kept)
+            checked += 1
+    assert checked >= 2, checked  # the pool's and the evaluation's
+
+
 def test_every_relative_link_resolves():
     missing = []
     for path in doc_files():
