@@ -72,6 +72,10 @@ class PromptSampler:
                 "num_rows": self.num_rows, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if "sources" in state:
+            raise ValueError("the checkpoint's sampler state was saved with data.train_weights "
+                             f"({ {name: w for name, (_, w) in state['sources'].items()} }); "
+                             "resume with the same weights")
         for key in ("seed", "num_rows", "batch_size"):
             if state[key] != getattr(self, key):
                 hint = (" (an RLEP run with replay.pooled_questions_only trains on the rows "

@@ -1,7 +1,9 @@
 """The multi-node launcher across two hosts: two network namespaces joined by a veth pair, each
 a "node" with its own address and interface, run `scripts/train_multinode.sh` (torchrun with a
 c10d rendezvous on node 0's address, one rank each, gloo bound to each node's interface by
-IFNAME); their metrics equal those of the same job launched as two ranks on one node."""
+IFNAME) for `rlep train`, `collect` and `eval`; their metrics and outputs equal those of the
+same job launched as two ranks on one node."""
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +11,7 @@ import sys
 
 import pytest
 
+from rlep_megatron.data.schema import read_prompt_file
 from tests import requires
 from tests.e2e.helpers import read_jsonl, recipe, run_rlep, small_task, train_overrides
 from tests.torchrun import REPO_ROOT, _env
@@ -45,6 +48,36 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
+def on_two_hosts(two_hosts, job: str, args: list[str], roles=(None, None)) -> list[str]:
+    """``JOB=job scripts/train_multinode.sh tiny_cpu_baseline.yaml args`` on each host (one
+    rank each, node 0 the rendezvous host); the outputs of both, after checking that each
+    node found its address and interface."""
+    master = two_hosts[0][1]
+    nodes = []
+    for node_rank, (namespace, _, interface) in enumerate(two_hosts):
+        env = _env({"NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": master,
+                    "MASTER_PORT": "29500", "GPUS_PER_NODE": "1", "IFNAME": interface,
+                    "PYTHON": sys.executable, "JOB": job,
+                    **({"NODE_ROLE": roles[node_rank]} if roles[node_rank] else {})})
+        nodes.append(subprocess.Popen(
+            ["ip", "netns", "exec", namespace, "bash",
+             os.path.join(REPO_ROOT, "scripts", "train_multinode.sh"),
+             recipe("tiny_cpu_baseline.yaml"), *args],
+            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    try:
+        outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-4000:]
+    for (_, address, interface), output in zip(two_hosts, outputs):
+        assert f"rlep {job}, node" in output and f"({address}), rendezvous {master}:29500" in output
+        assert f"GLOO_SOCKET_IFNAME={interface}" in output
+    return outputs
+
+
 SEPARATE = ("rollout.placement=separate", "rollout.num_ranks=1", "trainer.max_staleness=1",
             "algo.rollout_correction=truncate")
 
@@ -61,29 +94,7 @@ def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, t
     roles = ["rollout", "train"] if placement == "separate" else [None, None]
     args = lambda out: [*train_overrides(tiny_qwen2_dir, task, str(out), steps=2),  # noqa: E731
                         "trainer.validation_interval_steps=1", *extra]
-    master = two_hosts[0][1]
-    nodes = []
-    for node_rank, (namespace, _, interface) in enumerate(two_hosts):
-        env = _env({"NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": master,
-                    "MASTER_PORT": "29500", "GPUS_PER_NODE": "1", "IFNAME": interface,
-                    "PYTHON": sys.executable,
-                    **({"NODE_ROLE": roles[node_rank]} if roles[node_rank] else {})})
-        nodes.append(subprocess.Popen(
-            ["ip", "netns", "exec", namespace, "bash",
-             os.path.join(REPO_ROOT, "scripts", "train_multinode.sh"),
-             recipe("tiny_cpu_baseline.yaml"), *args(tmp_path / "nodes")],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True))
-    try:
-        outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    for node, output in zip(nodes, outputs):
-        assert node.returncode == 0, output[-4000:]
-    for (_, address, interface), output in zip(two_hosts, outputs):
-        assert f"({address}), rendezvous {master}:29500" in output
-        assert f"GLOO_SOCKET_IFNAME={interface}" in output
+    outputs = on_two_hosts(two_hosts, "train", args(tmp_path / "nodes"), roles)
     run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"), *args(tmp_path / "one")],
              nproc=2)
     multi = read_jsonl(tmp_path / "nodes" / "metrics.jsonl")
@@ -100,3 +111,34 @@ def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, t
         assert f"vLLM server(s) at http://{two_hosts[0][1]}:" in outputs[1], outputs[1][-3000:]
         assert "role rollout" in outputs[0] and "role train" in outputs[1]
         assert (tmp_path / "nodes" / "rollout_server_0.log").exists()
+
+
+def test_two_hosts_collect_and_evaluate_like_one_node(two_hosts, memorised, tmp_path):
+    """``JOB=collect`` and ``JOB=eval`` through the same launcher on the two hosts (a model
+    that answers its 6 questions, so the pool fills): the pool, with each answer's behaviour
+    log-probs, and the evaluation's report equal those of the same jobs as two ranks on one
+    node."""
+    task, model = memorised(tmp_path / "task", tmp_path / "model")
+    common = [f"model.hf_dir={model}", "reward.num_workers=1", "rollout.max_response_tokens=32",
+              "data.max_prompt_tokens=96"]
+    collect = lambda out: [*common, f"data.train_files=[{task['train']}]",  # noqa: E731
+                           f"collect.checkpoint={model}", f"collect.output_file={out}",
+                           "collect.num_shards=2", "collect.num_samples_per_prompt=4"]
+    evaluate = lambda out: [*common, f"eval.files=[{task['train']}]",  # noqa: E731
+                            f"eval.output_file={out}", "eval.num_samples_per_prompt=4",
+                            f"trainer.output_dir={tmp_path}"]
+    for job, args in (("collect", collect), ("eval", evaluate)):
+        suffix = "parquet" if job == "collect" else "json"
+        on_two_hosts(two_hosts, job, args(tmp_path / f"{job}_nodes.{suffix}"))
+        run_rlep([job, "--config", recipe("tiny_cpu_baseline.yaml"),
+                  *args(tmp_path / f"{job}_one.{suffix}")], nproc=2)
+    nodes, one = (read_prompt_file(str(tmp_path / f"collect_{where}.parquet"), behaviour=True)
+                  for where in ("nodes", "one"))
+    assert len(nodes) >= 3 and nodes.messages == one.messages
+    assert nodes.candidates == one.candidates
+    for a, b in zip(nodes.behaviour, one.behaviour):
+        assert [e["token_ids"].tolist() for e in a] == [e["token_ids"].tolist() for e in b]
+        assert [e["logprobs"].tolist() for e in a] == [e["logprobs"].tolist() for e in b]
+    nodes, one = (json.load(open(tmp_path / f"eval_{where}.json")) for where in ("nodes", "one"))
+    assert nodes["report"] == one["report"] and nodes["samples"] == one["samples"]
+    assert nodes["report"]["tiny_arith"]["mean@4"] > 0.3

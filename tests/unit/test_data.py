@@ -293,6 +293,8 @@ def test_mixing_sampler_resumes_exactly_and_refuses_other_weights(tmp_path):
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="saved without data.train_weights"):
         make().load_state_dict(PromptSampler(11, 5, seed=11).state_dict())
+    with pytest.raises(ValueError, match="saved with data.train_weights"):
+        PromptSampler(11, 5, seed=11).load_state_dict(state)
 
 
 def test_mixing_weights_bad_keys(tmp_path):
