@@ -29,10 +29,6 @@ DAPO_PREFIX = ("Solve the following math problem step by step. The last line of 
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
-def dapo_prompt(problem: str) -> str:
-    return f"{DAPO_PREFIX}{problem}{DAPO_SUFFIX}"
-
-
 PROMPT_TEMPLATES = {
     # the DAPO rule reads the last "Answer:" line: the data sources math_dapo, aime*, amc*...
     "dapo": DAPO_PREFIX + "{question}" + DAPO_SUFFIX,
