@@ -107,6 +107,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{seconds:9.1f}s {100 * seconds / total:5.1f}%  {path}")
 
 
+@pytest.fixture(autouse=True)
+def _rules_by_data_source():
+    """Each test starts with the rewards by data_source: a command run in the test process
+    with ``reward.function`` (``rlep config``, a job's checks) takes that function into use for
+    the process, and would score the next test's answers with it."""
+    yield
+    from rlep_megatron.reward import rules
+
+    rules.use_reward_function("")
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     """The tiny Qwen2 checkpoint (tied embeddings, QKV bias), seed 0."""

@@ -22,10 +22,24 @@ def table(replica: int, index: int) -> np.ndarray:
     return rng.integers(-1, EXPERTS, size=(positions, LAYERS, TOP_K)).astype(np.int16)
 
 
-def exchange(out: str, tp: int) -> None:
-    """Every rank a replica (one per ``tp`` ranks), each with its responses and tables; the
-    responses gathered as the engine gathers them, then split over the data-parallel ranks
-    (the actor's TP groups of ``tp`` ranks) and the tables delivered."""
+def exchange(out: str, tps: list[int]) -> None:
+    """For each TP size of ``tps`` in turn, in one process group: every rank a replica (one
+    per ``tp`` ranks), each with its responses and tables; the responses gathered as the
+    engine gathers them, then split over the data-parallel ranks (the actor's TP groups of
+    ``tp`` ranks) and the tables delivered. Rank 0 writes ``{tp: what it saw}``."""
+    import torch
+
+    from rlep_megatron import distributed
+
+    distributed.init_process_group()
+    results = {tp: _exchange(tp) for tp in tps}
+    if torch.distributed.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    distributed.destroy()
+
+
+def _exchange(tp: int) -> dict:
     import torch
 
     from rlep_megatron import distributed
@@ -33,7 +47,6 @@ def exchange(out: str, tp: int) -> None:
     from rlep_megatron.actor import routing_store
     from rlep_megatron.rollout.engine import Response, RolloutEngine
 
-    distributed.init_process_group()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     replica = rank // tp
     local = [[Response(i, [1, 2, 3], [0.0] * 3, "", "stop", routing=table(replica, i))]
@@ -57,16 +70,13 @@ def exchange(out: str, tp: int) -> None:
     mine = list(range(len(seqs)))[rank // tp::dp]
     equal = all(np.array_equal(seqs[i].routing, table(*origin[i])) for i in mine)
     others_untouched = all(seqs[i].routing is None for i in range(len(seqs)) if i not in mine)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"received": received, "equal": equal,
-                       "others_untouched": others_untouched,
-                       "gather_has_routing": any(r.routing is not None for g in merged
-                                                 for r in g),
-                       "sent_with_routing": sent, "gathered_bytes": gathered_bytes,
-                       "dtype": str(seqs[mine[0]].routing.dtype),
-                       "own_share_bytes": sum(table(*origin[i]).size for i in mine)}, f)
-    distributed.destroy()
+    return {"received": received, "equal": equal, "others_untouched": others_untouched,
+            "gather_has_routing": any(r.routing is not None for g in merged for r in g),
+            "sent_with_routing": sent, "gathered_bytes": gathered_bytes,
+            "dtype": str(seqs[mine[0]].routing.dtype),
+            "own_share_bytes": sum(table(*origin[i]).size for i in mine)}
+
+
 
 
 def lost_table(out: str) -> None:
@@ -106,16 +116,17 @@ def lost_table(out: str) -> None:
     distributed.destroy()
 
 
-def run(tmp_path, nproc, tp):
-    out = tmp_path / f"delivery-{nproc}-{tp}.json"
+def run(tmp_path, nproc, tps):
+    out = tmp_path / f"delivery-{nproc}.json"
     run_function("tests.distributed.test_routing_delivery:exchange", nproc,
-                 {"out": str(out), "tp": tp})
-    return json.loads(out.read_text())
+                 {"out": str(out), "tps": list(tps)})
+    return [json.loads(out.read_text())[str(tp)] for tp in tps]
 
 
 def test_routing_reaches_only_the_ranks_that_train_it(tmp_path):
-    two, four = run(tmp_path, 2, 1), run(tmp_path, 4, 1)
-    tp2 = run(tmp_path, 4, 2)  # 2 replicas of 2 ranks; DP2 x TP2 on the actor's side
+    [two] = run(tmp_path, 2, [1])
+    # 4 replicas; then 2 replicas of 2 ranks (DP2 x TP2 on the actor's side)
+    four, tp2 = run(tmp_path, 4, [1, 2])
     for result in (two, four, tp2):
         # every table of this rank's share arrived intact, in one byte per expert id (8
         # experts), and no other sequence got one
