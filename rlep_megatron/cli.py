@@ -79,6 +79,24 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if not args.no_files:
         preflight(cfg, "config")  # what rlep train checks before it builds anything
     print(yaml.safe_dump(config_lib.config_to_dict(cfg), sort_keys=False), end="")
+    if args.nodes is None and args.gpus_per_node is None:
+        return 0
+    # with the job's size: the planner's verdict too (`rlep plan` prints the whole plan)
+    from rlep_megatron import plan
+
+    nodes, per_node = args.nodes or 1, args.gpus_per_node or 1
+    result = plan.plan(cfg, plan.load_model_config(cfg, None), nodes * per_node,
+                       gpus_per_node=per_node)
+    verdict = (f"rlep plan for {nodes} x {per_node} GPU(s), an estimate: "
+               f"{'FITS' if result['fits'] else 'DOES NOT FIT'} (train peak "
+               f"{result['peak_train_gib']:.1f} GiB, rollout peak "
+               f"{result['peak_rollout_gib']:.1f} GiB of {result['gpu_mem_gib']:g})")
+    print(verdict, file=sys.stderr)
+    if not result["fits"]:
+        print(f"rlep config: the recipe does not fit {nodes} x {per_node} GPU(s); `rlep plan "
+              f"--config ... --nodes {nodes} --gpus-per-node {per_node}` shows the plan and "
+              "the changes that would fit", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -189,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="print every key with its type, default and documentation")
     p_config.add_argument("--no-files", action="store_true",
                           help="check the recipe alone, not the model and files it names")
+    p_config.add_argument("--nodes", type=int, default=None,
+                          help="with --gpus-per-node (or alone): also the planner's verdict "
+                               "for that job size (exit 2 when it does not fit)")
+    p_config.add_argument("--gpus-per-node", type=int, default=None,
+                          help="GPUs per node of the job (see --nodes)")
     p_config.set_defaults(func=_cmd_config)
     p_plan = sub.add_parser("plan", help="per-GPU memory and step time of a recipe, before "
                             "launch (no GPU needed)")

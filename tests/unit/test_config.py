@@ -402,3 +402,25 @@ def test_a_hub_name_resolves_from_the_local_cache_offline(tmp_path, monkeypatch,
     assert missing.model.hf_dir == "tiny-org/not-cached"
     with pytest.raises(ValueError, match=r"hf download <name>"):
         check_run_config(missing, "train")
+
+
+def test_rlep_config_with_a_job_size_gives_the_planners_verdict(runnable, capsys, monkeypatch):
+    """`rlep config --nodes N --gpus-per-node G`: the pre-flight and the planner's verdict for
+    that size (`rlep plan`'s own figures); exit 2, saying what to run, when it does not fit."""
+    from rlep_megatron import plan
+    from rlep_megatron.cli import main
+
+    assert main(["config", *runnable, "--gpus-per-node", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "rlep plan for 1 x 1 GPU(s), an estimate: FITS" in err, err
+    real = plan.plan
+    seen = {}
+
+    def smaller_gpu(cfg, hf_config, gpus, *args, **kwargs):  # the same plan on a 1 GiB card
+        seen["gpus"], seen["per_node"] = gpus, kwargs.get("gpus_per_node")
+        return real(cfg, hf_config, gpus, 1.0, gpus_per_node=kwargs.get("gpus_per_node"))
+    monkeypatch.setattr(plan, "plan", smaller_gpu)
+    assert main(["config", *runnable, "--nodes", "2", "--gpus-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert seen == {"gpus": 4, "per_node": 2}
+    assert "DOES NOT FIT" in err and "--nodes 2 --gpus-per-node 2" in err, err
