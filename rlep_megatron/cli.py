@@ -66,6 +66,15 @@ def _add_job_size(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", action=_RefusedGpus, help=argparse.SUPPRESS)
 
 
+def _add_verdict_size(parser: argparse.ArgumentParser) -> None:
+    """``rlep config``'s optional job size: given, the planner's verdict for it too."""
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="with --gpus-per-node (or alone): also the planner's verdict for "
+                             "that job size (exit 2 when it does not fit)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node of the job (see --nodes)")
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlep_megatron.checks import preflight
 
@@ -207,11 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="print every key with its type, default and documentation")
     p_config.add_argument("--no-files", action="store_true",
                           help="check the recipe alone, not the model and files it names")
-    p_config.add_argument("--nodes", type=int, default=None,
-                          help="with --gpus-per-node (or alone): also the planner's verdict "
-                               "for that job size (exit 2 when it does not fit)")
-    p_config.add_argument("--gpus-per-node", type=int, default=None,
-                          help="GPUs per node of the job (see --nodes)")
+    _add_verdict_size(p_config)
     p_config.set_defaults(func=_cmd_config)
     p_plan = sub.add_parser("plan", help="per-GPU memory and step time of a recipe, before "
                             "launch (no GPU needed)")
