@@ -184,3 +184,29 @@ class Cases:
         import torch
 
         return torch.load(outs[key])
+
+
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Any], Any]) -> Any:
+    """``make(directory)`` (a JSON-able result) run once per test run, whatever the number of
+    pytest-xdist workers and wherever their tests of one module land: the first worker to ask
+    runs it under a file lock in the run's shared temporary directory and keeps the result
+    there; another waits for the lock and reads it. A failure is kept too, and raised in each
+    worker that asks."""
+    import filelock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    done = shared / f"once_{name}.json"
+    with filelock.FileLock(str(shared / f"once_{name}.lock")):
+        if not done.is_file():
+            directory = shared / f"once_{name}"
+            directory.mkdir(exist_ok=True)
+            try:
+                value = {"result": make(directory)}
+            except Exception as err:  # an assertion of make() included
+                value = {"error": f"{type(err).__name__}: {err}"}
+            done.write_text(json.dumps(value))
+        value = json.loads(done.read_text())
+    if "error" in value:
+        raise AssertionError(f"{name} failed: {value['error']}")
+    return value["result"]

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests import requires
-from tests.torchrun import REPO_ROOT, _env
+from tests.torchrun import REPO_ROOT, _env, once_per_run
 
 pytestmark = [pytest.mark.vllm]
 
@@ -25,14 +25,16 @@ PARITY_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, tiny_qwen2_dir):
-    tmp = tmp_path_factory.mktemp("server")
-    out, log = tmp / "report.json", tmp / "server.log"
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm.server_program", "--hf-dir",
-                           tiny_qwen2_dir, "--out", str(out), "--log", str(log)],
-                          cwd=REPO_ROOT, env=_env(None), capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads(out.read_text())
+    """The program's report, made once per test run (its tests may land on two workers)."""
+    def make(tmp):
+        out, log = tmp / "report.json", tmp / "server.log"
+        proc = subprocess.run([sys.executable, "-m", "tests.vllm.server_program", "--hf-dir",
+                               tiny_qwen2_dir, "--out", str(out), "--log", str(log)],
+                              cwd=REPO_ROOT, env=_env(None), capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        return json.loads(out.read_text())
+    return once_per_run(tmp_path_factory, "server_program", make)
 
 
 def test_log_probs_equal_the_actors_after_every_sync(report):
