@@ -49,34 +49,40 @@ def run_torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: f
 def command_in_this_process():
     """Around a command run in this process (``rlep_megatron.cli.main(argv)``, a tool's
     ``main()``): yields ``(stdout, stderr)`` StringIOs that capture its output, and restores the
-    environment it changes (a single rank's RANK, MASTER_PORT, ...) and the root logger's
-    handlers and level (the command sets up its logging on the captured stderr)."""
+    environment it changes (a single rank's RANK, MASTER_PORT, ...), the working directory
+    and the root logger's handlers and level (the command sets up its logging on the captured
+    stderr)."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    environ = dict(os.environ)
+    environ, cwd = dict(os.environ), os.getcwd()
     stdout, stderr = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             yield stdout, stderr
     finally:
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(environ)
         root.handlers[:] = handlers
         root.setLevel(level)
 
 
-def run_tool_in_process(script: str, args: Sequence[str]) -> subprocess.CompletedProcess:
+def run_tool_in_process(script: str, args: Sequence[str], cwd: Optional[str] = None
+                        ) -> subprocess.CompletedProcess:
     """``python <script> <args>`` run in this process: a ``tools/`` converter's ``main()``
     with ``sys.argv`` set (:func:`command_in_this_process`). A converter tears down its
     process group and megatron's parallel state itself; this saves the process start (torch,
     megatron and transformers imported again, several seconds each time). The exit codes of
-    the real programs are checked by a test that runs them as programs."""
+    the real programs are checked by a test that runs them as programs. ``cwd``: the
+    directory it runs in (restored afterwards)."""
     import runpy
 
     argv = sys.argv
     sys.argv = [script, *args]
     try:
         with command_in_this_process() as (stdout, stderr):
+            if cwd is not None:
+                os.chdir(cwd)
             try:
                 code = runpy.run_path(os.path.join(REPO_ROOT, script))["main"]()
             except SystemExit as exit_:  # argparse
@@ -84,6 +90,26 @@ def run_tool_in_process(script: str, args: Sequence[str]) -> subprocess.Complete
     finally:
         sys.argv = argv
     return subprocess.CompletedProcess([script, *args], code, stdout.getvalue(),
+                                       stderr.getvalue())
+
+
+def rlep_in_process(args: Sequence[str], cwd: Optional[str] = None
+                    ) -> subprocess.CompletedProcess:
+    """``rlep <args>`` run in this process, in ``cwd``, with no GPU visible (as in a test's
+    subprocess): for the commands that build no model (``init``, ``config``, ``plan``), whose
+    own process would only add its start-up. tests/e2e/test_bad_input.py runs the program
+    itself for its exit code."""
+    from rlep_megatron.cli import main
+
+    with command_in_this_process() as (stdout, stderr):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        if cwd is not None:
+            os.chdir(cwd)
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(["rlep", *args], code, stdout.getvalue(),
                                        stderr.getvalue())
 
 

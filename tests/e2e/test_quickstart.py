@@ -18,7 +18,7 @@ import pytest
 
 from rlep_megatron.data.schema import read_prompt_file
 from tests.e2e.helpers import read_jsonl, run_rlep
-from tests.torchrun import REPO_ROOT, _env
+from tests.torchrun import REPO_ROOT, _env, rlep_in_process, run_tool_in_process
 
 pytestmark = pytest.mark.e2e
 
@@ -49,20 +49,22 @@ def test_own_model_and_jsonl_data_through_prepare_init_train_eval(tiny_qwen2_dir
         src = tmp_path / f"{split}.jsonl"
         src.write_text("".join(json.dumps(r) + "\n" for r in part))
         files[split] = str(tmp_path / f"{split}.parquet")
-        proc = subprocess.run([sys.executable, "tools/prepare_data.py", "--input", str(src),
-                               "--output", files[split], "--data-source", "math_dapo",
-                               "--question-key", "task", "--answer-key", "solution"],
-                              cwd=REPO_ROOT, capture_output=True, text=True)
+        proc = run_tool_in_process("tools/prepare_data.py", [
+            "--input", str(src), "--output", files[split], "--data-source", "math_dapo",
+            "--question-key", "task", "--answer-key", "solution"])
         assert proc.returncode == 0, proc.stderr
     assert read_prompt_file(files["val"]).ground_truth == ["9", "8"]
 
     recipe, out = str(tmp_path / "my_recipe.yaml"), str(tmp_path / "run")
-    init = run_rlep(["init", recipe, "--model", model, "--train", files["train"], "--val",
-                     files["val"], "--output-dir", out])
+    # the commands that build no model run in this process (their start-up is all they'd add)
+    init = rlep_in_process(["init", recipe, "--model", model, "--train", files["train"], "--val",
+                            files["val"], "--output-dir", out], cwd=REPO_ROOT)
+    assert init.returncode == 0, init.stderr[-3000:]
     assert "from examples/one_gpu.yaml" in init.stdout and "rlep train --config" in init.stdout
     # the model's 1024 positions cut the one-GPU template's 1024 + 3072 token budget
     assert "the model's context is 1024 tokens" in init.stdout
-    run_rlep(["config", "--config", recipe])
+    checked = rlep_in_process(["config", "--config", recipe], cwd=REPO_ROOT)
+    assert checked.returncode == 0, checked.stderr[-3000:]
     # the one-GPU recipe, scaled down for 2 CPU cores (a user on a GPU runs it as written)
     cpu = ["trainer.device=cpu", "model.params_dtype=float32", "data.train_batch_size=2",
            "rollout.num_samples_per_prompt=2", "rollout.max_response_tokens=16",
@@ -126,14 +128,17 @@ def test_docs_own_data_quickstart_runs_as_written(tmp_path, memorised):
 
     outputs = {}
     for command in commands:
+        extra = CPU_JOB if command[1] in ("train", "collect", "eval", "config", "plan") else []
+        # the commands that build no model run in this process (their start-up is all they'd
+        # add); the jobs run as programs
         if command[0] == "python":
-            args = [sys.executable, os.path.join(REPO_ROOT, command[1]), *command[2:]]
+            proc = run_tool_in_process(command[1], command[2:], cwd=str(tmp_path))
+        elif command[1] in ("init", "config", "plan"):
+            proc = rlep_in_process([*command[1:], *extra], cwd=str(tmp_path))
         else:
-            args = [sys.executable, "-m", "rlep_megatron.cli", *command[1:]]
-            if command[1] in ("train", "collect", "eval", "config", "plan"):
-                args += CPU_JOB
-        proc = subprocess.run(args, cwd=tmp_path, env=_env(None), capture_output=True, text=True,
-                              timeout=600)
+            proc = subprocess.run([sys.executable, "-m", "rlep_megatron.cli", *command[1:],
+                                   *extra], cwd=tmp_path, env=_env(None), capture_output=True,
+                                  text=True, timeout=600)
         assert proc.returncode == 0, (command, (proc.stdout + proc.stderr)[-5000:])
         outputs.setdefault(command[1], []).append(proc.stdout + proc.stderr)
 
