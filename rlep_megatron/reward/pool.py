@@ -208,16 +208,24 @@ class ScorerPool:
         return False
 
 
-def _ray_score_one(request: ScoreRequest, registry) -> dict:
-    load_registry(registry)  # rules and reward.function of the driver
-    result = compute_score(request.data_source, request.solution_str, request.ground_truth)
-    result["timed_out"] = False
-    return result
+class _RayScorer:
+    """One scoring process of the Ray backend (a Ray actor): one answer per call."""
+
+    def ready(self) -> bool:
+        return True  # the process is up and this module (the rules) imported
+
+    def score(self, request: ScoreRequest, registry) -> dict:
+        load_registry(registry)  # rules and reward.function of the driver
+        result = compute_score(request.data_source, request.solution_str, request.ground_truth)
+        result["timed_out"] = False
+        return result
 
 
 class RayScorerPool:
-    """Scoring as Ray tasks (many CPUs / nodes). A task past ``timeout_s`` is force-cancelled
-    (its worker process is killed) and scored -1 with ``timed_out``."""
+    """Scoring on Ray actors (many CPUs / nodes), one answer at a time each. An answer's clock
+    starts when it is handed to an actor that is up and idle, so time spent queued or starting
+    a process never counts; one past ``timeout_s`` is scored -1 with ``timed_out``, its actor
+    is killed and a new one started."""
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, ray_address: str = ""):
         import ray
@@ -227,10 +235,35 @@ class RayScorerPool:
             ray.init(address=ray_address or None, num_cpus=None if ray_address else num_workers,
                      include_dashboard=False, log_to_driver=False)
         self._ray = ray
-        self._remote = ray.remote(num_cpus=1, max_retries=0)(_ray_score_one)
+        self._actor_class = ray.remote(num_cpus=1, max_restarts=0)(_RayScorer)
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.num_timeouts = 0
+        self._idle: list = []
+        self._starting: dict = {}  # the ready() call of an actor not up yet -> the actor
+        for _ in range(num_workers):
+            self._start_actor()
+
+    def _start_actor(self) -> None:
+        actor = self._actor_class.remote()
+        self._starting[actor.ready.remote()] = actor
+
+    def _collect(self, ref, running: dict, results: list) -> None:
+        """A finished call: a started actor joins the idle ones, or an answer's result."""
+        if ref in self._starting:
+            actor = self._starting.pop(ref)
+            try:
+                self._ray.get(ref)
+            except Exception as err:
+                raise RuntimeError(f"a Ray scorer process failed to start: {err}") from err
+            self._idle.append(actor)
+            return
+        index, actor, _ = running.pop(ref)
+        try:
+            results[index] = self._ray.get(ref)
+        except Exception:  # the rule raised: scored as wrong, like the local pool's workers
+            results[index] = {"score": -1.0, "acc": False, "pred": "", "timed_out": False}
+        self._idle.append(actor)
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
         scorable({r.data_source for r in requests})
@@ -239,34 +272,38 @@ class RayScorerPool:
         results: list[Optional[dict]] = [None] * len(requests)
         queue = list(range(len(requests)))
         queue.reverse()
-        running: dict = {}
+        running: dict = {}  # call -> (index, actor, when it was handed over)
         while queue or running:
-            while queue and len(running) < 4 * self.num_workers:
-                index = queue.pop()
-                running[self._remote.remote(requests[index], registry)] = (index, None)
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=0.05)
+            while queue and self._idle:
+                index, actor = queue.pop(), self._idle.pop()
+                call = actor.score.remote(requests[index], registry)
+                running[call] = (index, actor, time.monotonic())
+            calls = [*running, *self._starting]
+            ready, rest = ray.wait(calls, num_returns=1, timeout=0.05)
+            if ready and rest:
+                more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+                ready += more
             for ref in ready:
-                index, _ = running.pop(ref)
-                try:
-                    results[index] = ray.get(ref)
-                except Exception:
-                    results[index] = {"score": -1.0, "acc": False, "pred": "",
-                                      "timed_out": False}
+                self._collect(ref, running, results)
             now = time.monotonic()
-            for ref, (index, started) in list(running.items()):
-                if started is None:
-                    # the clock starts when the task is first seen running (not queued)
-                    running[ref] = (index, now)
-                elif now - started > self.timeout_s:
-                    ray.cancel(ref, force=True)
+            for ref, (index, actor, started) in list(running.items()):
+                if now - started > self.timeout_s:
+                    ray.kill(actor, no_restart=True)
                     running.pop(ref)
                     results[index] = dict(TIMED_OUT)
                     self.num_timeouts += 1
+                    self._start_actor()
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
-        if self._owns_ray and self._ray.is_initialized():
+        if not self._ray.is_initialized():
+            return
+        if self._owns_ray:
             self._ray.shutdown()
+            return
+        for actor in [*self._idle, *self._starting.values()]:
+            self._ray.kill(actor, no_restart=True)
+        self._idle, self._starting = [], {}
 
     def __enter__(self):
         return self

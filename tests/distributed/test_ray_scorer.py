@@ -24,3 +24,19 @@ def test_ray_pool_times_out_a_hang():
     assert results[10]["timed_out"] and results[10]["score"] == -1.0
     others = results[:10] + results[11:]
     assert [r["acc"] for r in others] == [bool(i % 2) for i in range(40)]
+
+
+def test_ray_pool_counts_an_answers_time_from_its_start_not_its_queueing():
+    """One scorer process, the hanging answer first: the answers queued behind it wait its
+    3 s out and are then scored right (a clock started when they were submitted timed them
+    out with it; that is what failed on a loaded machine with two processes)."""
+    requires("ray")
+    tower = "\\boxed{" + "9^{" * 12 + "9" + "}" * 12 + "}"
+    requests = [ScoreRequest("math_verify", tower, "1")] + [
+        ScoreRequest("math_dapo", f"Answer: {i}", str(i if i % 2 else -1)) for i in range(6)]
+    with make_scorer_pool("ray", num_workers=1, timeout_s=3.0) as pool:
+        results = pool.score(requests)
+        assert pool.num_timeouts == 1
+    assert results[0]["timed_out"]
+    assert [r["acc"] for r in results[1:]] == [bool(i % 2) for i in range(6)]
+    assert not any(r["timed_out"] for r in results[1:])
