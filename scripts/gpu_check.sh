@@ -95,7 +95,10 @@ then
     exit 2
 fi
 row "imports" "ok" "torch, megatron.core, transformers, rlep_megatron"
-collected=$("$PYTHON" -m pytest -m gpu --collect-only -q tests/gpu 2>&1 | grep -c "::")
+# pytest.ini's addopts are the CPU suite's (pytest-xdist workers, which a lent machine may not
+# have): the GPU tests run in one process, one after another
+PYTEST=("$PYTHON" -m pytest -o addopts= -p no:cacheprovider)
+collected=$("${PYTEST[@]}" -m gpu --collect-only -q tests/gpu 2>&1 | grep -c "::")
 if [ "$collected" -eq 0 ]; then
     echo "gpu_check.sh: no GPU test was collected from tests/gpu" >&2
     exit 2
@@ -133,7 +136,7 @@ timed() {  # seconds, command...: runs it, appends its output to $LOG, sets $out
     elapsed=$((SECONDS - start))
     return $code
 }
-if timed "${LIMITS[0]}" "$PYTHON" -m pytest -m gpu -q -rA -p no:cacheprovider tests/gpu; then
+if timed "${LIMITS[0]}" "${PYTEST[@]}" -m gpu -q -rA tests/gpu; then
     verdict=passed; else verdict=FAILED; status=1; fi
 # one row per test: pytest's short summary (-rA) lines "PASSED|FAILED|SKIPPED|ERROR ... test"
 echo "$out" | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | while read -r state rest; do
