@@ -367,7 +367,7 @@ class ServerRequests:
         left = self.cfg.max_response_tokens - len(item.token_ids)
         seed = item.seed if not item.token_ids else continuation_seed(item.seed,
                                                                       len(item.token_ids))
-        item.request_id = f"rlep-{os.getpid()}-{next(self._ids)}"
+        item.request_id = self.engine.request_id()
         self.in_flight[item.request_id] = (item, server)
         self.engine._post(server, item.request_id, item.prompt + item.token_ids, left, seed,
                           self.version, self.results)
@@ -638,6 +638,11 @@ class ServerEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def request_id(self) -> str:
+        """A new generate request's id: ``rlep-r<global rank>-<pid>-<n>``, unique within the
+        job, and naming the sender in the servers' logs."""
+        return f"rlep-r{self.rank}-{os.getpid()}-{next(ServerRequests._ids)}"
+
     def server_of(self, prompt_index: int) -> int:
         """The server that samples a prompt (all its samples: they share its prefix)."""
         return prompt_index % len(self.urls)
@@ -722,7 +727,7 @@ class ServerEngine:
             for index in range(len(prompts)):
                 base = request_seed(seed, index, n)
                 for j in range(n):
-                    request_id = f"rlep-{os.getpid()}-{next(ServerRequests._ids)}"
+                    request_id = self.request_id()
                     keys[request_id] = (index, j)
                     self._post(self.server_of(index), request_id, list(prompts[index]),
                                max_tokens, base + j, version, results,

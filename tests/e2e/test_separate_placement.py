@@ -79,8 +79,9 @@ def test_two_trainer_ranks_share_one_server(inputs, tmp_path):  # noqa: F811
     assert [e["rollout/staleness_max"] for e in entries] == [0, 1, 0, 1]
     assert all(e["rollout/logprob_abs_diff/current"] <= 1e-4 for e in entries)
     # counted where the requests arrive: every generate request the server received carries
-    # the id of one and the same trainer process (rlep-<pid>-<n>)
+    # the id of one and the same trainer process, global rank 0 (rlep-r<rank>-<pid>-<n>)
     log = (out / "rollout_server_0.log").read_text()
-    senders = re.findall(r"Received request \S*?rlep-(\d+)-\d+", log)
+    senders = re.findall(r"Received request \S*?rlep-r(\d+)-(\d+)-\d+", log)
     assert len(senders) >= 4 * 4 * 4, len(senders)  # 4 steps x 4 prompts x G = 4 at least
     assert len(set(senders)) == 1, sorted(set(senders))
+    assert senders[0][0] == "0", sorted(set(senders))
