@@ -551,8 +551,8 @@ class IdleClock:
     def __init__(self):
         self._lock = threading.Lock()
         self._active = 0
-        self._idle_s, self._idle_since = 0.0, time.perf_counter()
-        self._window_start = time.perf_counter()
+        now = time.perf_counter()  # one reading: the idle time cannot exceed the window
+        self._idle_s, self._idle_since, self._window_start = 0.0, now, now
 
     def busy(self, change: int) -> None:
         with self._lock:
