@@ -313,6 +313,17 @@ class ReplayConfig:
     """Online modes: a group gets its replays with probability 1 - (its question's pass rate
     at its previous rollout), so replay goes to the questions the policy still fails (a
     question not rolled out before always gets them)."""
+    policy: Literal["uniform", "low_pass", "rescue"] = "uniform"
+    """Which groups get replays (docs/ALGORITHM.md, replay policies). ``uniform`` (the paper):
+    every group whose question has pool answers. ``low_pass``: a group gets them with
+    probability 1 - p, p its question's tracked pass rate (``replay.pass_rate_ema``; a question
+    not rolled out before always gets them), in every replay mode. ``rescue``: only the groups
+    whose fresh responses all failed (with ``algo.dynamic_sampling`` such a group is kept
+    instead of dropped when the pool has an answer)."""
+    pass_rate_ema: float = 0.5
+    """The per-question pass-rate tracker behind ``replay.policy=low_pass`` and the
+    ``replay/pass_rate_hist`` metrics: the weight of the newest step's pass rate in its moving
+    average (1: the latest rollout only). Saved in checkpoints."""
     correction: Literal["none", "truncate", "mask"] = "none"
     """How a replayed answer's tokens are weighed against the policy that wrote it, where the
     pool holds that policy's log-probs of them (its optional behaviour columns, written by
@@ -343,6 +354,17 @@ class ReplayConfig:
         if self.online_low_pass_weight and self.mode == "offline":
             raise ValueError("replay.online_low_pass_weight weights online replay; it needs "
                              "replay.mode=online or both")
+        if not 0.0 < self.pass_rate_ema <= 1.0:
+            raise ValueError(f"replay.pass_rate_ema must be in (0, 1], got "
+                             f"{self.pass_rate_ema}")
+        if self.policy != "uniform" and self.num_replays_per_prompt == 0:
+            raise ValueError(f"replay.policy={self.policy} decides where replays go, but "
+                             "replay.num_replays_per_prompt=0 replays nothing; set M > 0")
+        if self.policy != "uniform" and self.online_low_pass_weight:
+            raise ValueError(f"replay.online_low_pass_weight is the online modes' own "
+                             f"weighting; it cannot combine with replay.policy={self.policy} "
+                             "(replay.policy=low_pass generalises it to every replay mode): "
+                             "set one of them")
         if self.clip_ratio_high is not None and self.clip_ratio_high < 0:
             raise ValueError(f"replay.clip_ratio_high must be >= 0 or null, got "
                              f"{self.clip_ratio_high}")

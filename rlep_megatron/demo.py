@@ -12,8 +12,9 @@
    times the baseline's optimizer steps: 9 vs 8), optionally ``rlep_equal`` (the same with as
    many optimizer steps as the baseline), ``online`` (online experience replay from an
    empty pool), ``one_step_off`` (the baseline with ``trainer.max_staleness=1``: one step
-   off against synchronous, docs/ASYNC.md) and ``separate`` (the same with generation on a
-   vLLM server of its own, one more process: ``rollout.placement=separate``);
+   off against synchronous, docs/ASYNC.md), ``separate`` (the same with generation on a
+   vLLM server of its own, one more process: ``rollout.placement=separate``), ``low_pass``
+   and ``rescue`` (``rlep`` with that replay policy, docs/ALGORITHM.md section 11);
 5. report every arm across seeds: validation mean@k and training accuracy curves as mean and
    spread (min..max over seeds), best and final validation accuracy with their spread, the
    optimizer steps per training step, the steps each arm needs to reach the baseline's best
@@ -64,6 +65,7 @@ QUICK = {"seeds": 4, "steps": 30}
 LONG = {"seeds": 8, "steps": 60}
 VALIDATION_EVERY = 2
 DEFAULT_ARMS = ("baseline", "rlep")
+POOLED_ARMS = ("rlep", "rlep_equal", "low_pass", "rescue")  # the arms that replay the pool
 
 
 def examples_dir() -> str:
@@ -357,7 +359,8 @@ def paired_table(paired: dict, k: int, label: str = "RLEP") -> str:
 
 ARM_LABELS = {"baseline": "baseline", "rlep": "RLEP", "rlep_equal": "RLEP equal-updates",
               "online": "online replay", "one_step_off": "baseline one step off",
-              "separate": "baseline one step off, separate rollout"}
+              "separate": "baseline one step off, separate rollout",
+              "low_pass": "RLEP low_pass", "rescue": "RLEP rescue"}
 
 
 def arm_order(summary: dict) -> list[str]:
@@ -548,7 +551,7 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     # the paper collects the pool from the baseline's final checkpoint (one baseline run, one
     # pool): here the first seed's, at its last step
     source = os.path.join(run_dir("baseline", seed_list[0]), "checkpoints", f"step_{steps:08d}")
-    if any(arm in ("rlep", "rlep_equal") for arm in arms) and not os.path.isfile(pool):
+    if any(arm in POOLED_ARMS for arm in arms) and not os.path.isfile(pool):
         print(f"collecting the experience pool from baseline seed {seed_list[0]} at its final "
               f"step {steps} ...", flush=True)
         seconds = _run(["collect", "--config", os.path.join(recipes, "tiny_cpu_rlep.yaml"),
@@ -621,7 +624,8 @@ def arm_settings(arm: str, recipes: str, pool: str,
     (``trainer.max_staleness=1``, with the rollout correction it is meant to run with), so its
     paired differences to the baseline are one step off against synchronous; ``separate``:
     the same with generation on a vLLM server of its own (``rollout.placement=separate``, one
-    more process), overlapping training."""
+    more process), overlapping training; ``low_pass`` and ``rescue``: ``rlep`` with that
+    ``replay.policy``."""
     if arm == "baseline":
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), []
     if arm in ("one_step_off", "separate"):
@@ -633,6 +637,8 @@ def arm_settings(arm: str, recipes: str, pool: str,
     if arm == "online":  # no offline pool: the run's own verified answers, as they appear
         return recipe, ["replay.pool_files=[]", "replay.mode=online"]
     extra = [f"replay.pool_files=[{pool}]"]
+    if arm in ("low_pass", "rescue"):
+        extra.append(f"replay.policy={arm}")
     if arm == "rlep_equal":
         from rlep_megatron.config import load_config
 

@@ -4,8 +4,10 @@ Per training step, one named and timed call per phase:
 
     rollout   G fresh responses per prompt from the rollout engine, each token tagged with
               the policy version that sampled it
-    replay    M pool answers appended to each group that has a pool (G' = G + M)
-    reward    every response scored (replays too) + overlong shaping
+    replay    M pool answers appended to each group that has a pool and that the replay
+              policy picks (G' = G + M; ``replay.policy``, rlep_megatron/replay/policy.py)
+    reward    every response scored (replays too) + overlong shaping (``rescue``: the fresh
+              responses first, since the policy reads them, then the replays)
 
 with DAPO's dynamic sampling (more generation rounds until a full batch of groups with signal)
 and online replay (the step's verified answers admitted to the pool after its replays were
@@ -92,6 +94,7 @@ class RolloutSide:
 
     def __init__(self, cfg, scheduler, tokenizer, eos_token_id: int, train_rows, pool):
         from rlep_megatron.data.sampler import make_prompt_sampler
+        from rlep_megatron.replay.policy import PassRateTracker, make_replay_policy
         from rlep_megatron.replay.pool import OnlinePool, ReplaySampler
         from rlep_megatron.reward import make_scorer_pool
 
@@ -103,6 +106,12 @@ class RolloutSide:
         self.replay_sampler = (ReplaySampler(pool, cfg.replay.num_replays_per_prompt,
                                              cfg.trainer.seed) if pool is not None else None)
         self.online_pool = pool if isinstance(pool, OnlinePool) else None
+        self.replay_policy = make_replay_policy(cfg.replay.policy)
+        # per question, its fresh responses' pass rate (replay.policy=low_pass; the metrics)
+        self.pass_rates = (PassRateTracker(cfg.replay.pass_rate_ema)
+                           if self.replay_sampler else None)
+        self._observed: list = []  # the step's (question, fresh correctness) per group
+        self._decisions: list = []  # the step's (pass-rate bin, replayed) per group with a pool
         self.scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers,
                                        cfg.reward.timeout_s)
         self._prompt_cache: dict[int, list[int]] = {}
@@ -117,9 +126,13 @@ class RolloutSide:
     def next_batch(self, step: int, timer) -> StepBatch:
         """The scored groups that training step ``step`` (the policy version being trained)
         learns from."""
+        self._decisions = []
         batch = self._make_batch(timer, step)
         self._count_replays(batch)
         self.admitted = self._admit_online(step)
+        if self.pass_rates is not None:  # after the step: its replays saw earlier steps only
+            self.pass_rates.update(self._observed)
+            self._observed = []
         return batch
 
     def prompt_ids(self, rows, row: int) -> list[int]:
@@ -150,10 +163,21 @@ class RolloutSide:
                                                   r.logprobs, r.finish_reason,
                                                   routing=r.routing, versions=r.versions,
                                                   routing_key=r.routing_key))
-        with timer.phase("replay"):
-            self.add_replays(batch, step)
-        with timer.phase("reward"):
-            self.reward(batch)
+        if self.replay_policy.needs_fresh_rewards:
+            # the policy reads the fresh rewards: they are scored first, then the replays
+            with timer.phase("reward"):
+                self.reward(batch)
+            with timer.phase("replay"):
+                self.add_replays(batch, step)
+            with timer.phase("reward"):
+                self.reward(batch, [s for s in batch.sequences if s.source == REPLAY])
+        else:
+            with timer.phase("replay"):
+                self.add_replays(batch, step)
+            with timer.phase("reward"):
+                self.reward(batch)
+        if self.pass_rates is not None:
+            self._observed += self._fresh_correct(batch)
         if self.online_pool is not None:
             # every round's groups, before dynamic sampling keeps some (or drops them all)
             self._candidates += self._fresh_groups(
@@ -198,16 +222,24 @@ class RolloutSide:
 
     def _replays(self, batch: StepBatch, step: int) -> None:
         from rlep_megatron.data.schema import prompt_key
+        from rlep_megatron.replay.policy import pass_rate_bin
         from rlep_megatron.replay.pool import tokenize_replays
 
         replays = []
         online, weighted = self.online_pool, self.cfg.replay.online_low_pass_weight
+        policy, pass_rates = self.replay_policy, self.pass_rates
+        fresh = self._group_correct(batch) if policy.needs_fresh_rewards else None
         for group, row in enumerate(batch.rows):
             messages = self.train_rows.messages[row]
-            keep = 1.0
+            key = prompt_key(messages)
+            rate = pass_rates.get(key)
+            keep = policy.keep_prob(rate, fresh[group] if fresh else ())
             if weighted:  # toward the questions the policy failed at their last rollout
-                keep = 1.0 - online.pass_rate.get(prompt_key(messages), 0.0)
-            indices = self.replay_sampler.draw_indices(messages, keep_prob=keep)
+                keep = 1.0 - online.pass_rate.get(key, 0.0)
+            indices = (self.replay_sampler.draw_indices(messages, keep_prob=keep)
+                       if keep > 0.0 or weighted else [])
+            if self.replay_sampler.pool.get(messages):
+                self._decisions.append((pass_rate_bin(rate), bool(indices)))
             answers = self.replay_sampler.pool.get(messages)
             items = tokenize_replays([answers[i] for i in indices], self.tokenizer,
                                      self.cfg.rollout.max_response_tokens, self.eos_token_id)
@@ -233,16 +265,18 @@ class RolloutSide:
             return None
         return [float(v) for v in entry["logprobs"]]
 
-    def reward(self, batch: StepBatch) -> None:
-        """Score every response (replays too); work split over all ranks."""
+    def reward(self, batch: StepBatch, sequences: Optional[list[Sample]] = None) -> None:
+        """Score every response (replays too), or those of ``sequences``; work split over all
+        ranks."""
         from rlep_megatron.reward import overlong_penalty
         from rlep_megatron.reward.pool import ScoreRequest
 
         rows, cfg = self.train_rows, self.cfg
+        sequences = batch.sequences if sequences is None else sequences
         requests = [ScoreRequest(rows.data_source[batch.rows[s.group]], s.text,
                                  rows.ground_truth[batch.rows[s.group]])
-                    for s in batch.sequences]
-        for seq, result in zip(batch.sequences,
+                    for s in sequences]
+        for seq, result in zip(sequences,
                                distributed.map_across_ranks(self.scorer.score, requests)):
             seq.score, seq.acc = float(result["score"]), bool(result["acc"])
             seq.reward = seq.score + overlong_penalty(
@@ -260,6 +294,23 @@ class RolloutSide:
             if seq.source == REPLAY:
                 self.replay_sampler.record(self.train_rows.messages[batch.rows[seq.group]],
                                            seq.pool_index)
+
+    @staticmethod
+    def _group_correct(batch: StepBatch) -> list[list[bool]]:
+        """Per group of the batch, its fresh responses' correctness (scored already)."""
+        correct: list[list[bool]] = [[] for _ in batch.rows]
+        for seq in batch.sequences:
+            if seq.source == FRESH:
+                correct[seq.group].append(bool(seq.acc))
+        return correct
+
+    def _fresh_correct(self, batch: StepBatch) -> list[tuple[str, list[bool]]]:
+        """Per group of a generation round: its question's key and its fresh responses'
+        correctness (the pass-rate tracker's input)."""
+        from rlep_megatron.data.schema import prompt_key
+
+        return [(prompt_key(self.train_rows.messages[row]), correct)
+                for row, correct in zip(batch.rows, self._group_correct(batch))]
 
     @staticmethod
     def _fresh_groups(batch: StepBatch, behaviour: bool = False) -> list[tuple]:
@@ -325,6 +376,8 @@ class RolloutSide:
                       for k, v in self.replay_sampler.replay_counts_summary().items()})
             m["replay/pool_questions"] = float(len(self.pool))
             m["replay/pool_answers"] = float(sum(map(len, self.pool.answers.values())))
+        if self.pass_rates is not None:
+            m.update(self._policy_metrics(batch, replay))
         if self.online_pool is not None:
             m["replay/online_admitted"] = float(self.admitted)
             m["replay/online_answers"] = float(self.online_pool.num_online_answers())
@@ -332,17 +385,44 @@ class RolloutSide:
             m["replay/age_mean"] = m["replay/online_age_mean"]
         return m
 
+    def _policy_metrics(self, batch: StepBatch, replay: list[Sample]) -> dict[str, float]:
+        """Where the step's replays went (docs/metrics.md): per pass-rate bin of the question
+        (tracked before the step), the groups with a pool and the share of them that got
+        replays; the groups rescued (every fresh response failed, replays joined); the
+        tracked questions' pass-rate histogram after the step."""
+        from rlep_megatron.replay.policy import PASS_RATE_BINS, UNSEEN
+
+        m: dict[str, float] = {}
+        for name in (*PASS_RATE_BINS, UNSEEN):
+            got = [replayed for bin_name, replayed in self._decisions if bin_name == name]
+            m[f"replay/groups_by_pass_rate/{name}"] = float(len(got))
+            m[f"replay/share_by_pass_rate/{name}"] = _mean(got)
+        replayed = {s.group for s in replay}
+        failed = [group for group, correct in enumerate(self._group_correct(batch))
+                  if correct and not any(correct)]
+        m["replay/rescued_groups"] = float(sum(group in replayed for group in failed))
+        m.update({f"replay/pass_rate_hist/{name}": value
+                  for name, value in self.pass_rates.histogram().items()})
+        m["replay/pass_rate_questions"] = float(len(self.pass_rates.rates))
+        return m
+
     # ------------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict(),
                 "replay_sampler": (self.replay_sampler.state_dict()
-                                   if self.replay_sampler else None)}
+                                   if self.replay_sampler else None),
+                "pass_rates": self.pass_rates.state_dict() if self.pass_rates else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         if self.replay_sampler is not None and state["replay_sampler"] is not None:
             self.replay_sampler.load_state_dict(state["replay_sampler"])
+        if self.pass_rates is not None and state.get("pass_rates") is not None:
+            self.pass_rates.load_state_dict(state["pass_rates"])
+        elif self.pass_rates is not None and self.replay_policy.name == "low_pass":
+            logger.warning("the checkpoint has no tracked pass rates (saved before "
+                           "replay.policy existed): replay.policy=low_pass starts from none")
 
     def close(self) -> None:
         self.scorer.close()

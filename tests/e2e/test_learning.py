@@ -192,9 +192,9 @@ def test_training_reward_rises_one_step_off(task, dense_model, tmp_path):
 def test_training_reward_rises_on_a_mixture_of_experts(task, tmp_path):
     """The same run with the tiny Qwen3-MoE (8 experts, top-2) warm-started alike, every
     update routed through the experts the rollout engine chose (``algo.routing_replay=
-    rollout``). Over warm-start seeds 0-2 (``bench/moe_learning.py``) the rise was 0.33-0.37
-    at 5.1-6.7 times the noise on an Intel Xeon and 0.38-0.39 at 3.8-5.2 on an AMD EPYC; the
-    actor's own top-k never differed from the engine's in fp32. In fp32 the two route
+    rollout``). Over warm-start seeds 0-2 (``bench/learning_seeds.py --run moe``) the rise was
+    0.33-0.37 at 5.1-6.7 times the noise on an Intel Xeon and 0.38-0.39 at 3.8-5.2 on an AMD
+    EPYC; the actor's own top-k never differed from the engine's in fp32. In fp32 the two route
     alike, so this run cannot tell whether the updates followed the engine's experts or their
     own: tests/vllm/test_rollout_weight_sync.py checks that, with a mutation it catches."""
     model = warm_started(task, tmp_path, "qwen3_moe")

@@ -3,6 +3,7 @@ replicas), and exact resume on 2 ranks with actor PP=2."""
 import json
 import math
 import os
+import signal
 
 import pytest
 import torch
@@ -183,32 +184,36 @@ HALF_REWARD = ("def compute_score(data_source, solution_str, ground_truth):\n"
 
 
 @pytest.mark.parametrize("layout", [
-    ["parallel.context_parallel_size=2", "model.logprob_chunk_tokens=8"],
+    ["parallel.context_parallel_size=2", "model.logprob_chunk_tokens=8",
+     "replay.policy=low_pass"],
     ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
      "replay.mode=both", "replay.online_answers_per_question=2",
      "replay.online_low_pass_weight=true"],
-], ids=["cp2-chunked-logprobs", "tp2-sp-online-replay"])
+], ids=["cp2-chunked-logprobs-low-pass", "tp2-sp-online-replay"])
 def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_dir, task, pool,
                                                             tmp_path):
     """RLEP on 2 ranks with each sequence split over 2 context-parallel ranks (log-probs 8
-    tokens at a time), or with sequence parallelism at TP2 and online experience replay
+    tokens at a time) and replays drawn by the questions' tracked pass rates
+    (replay.policy=low_pass), or with sequence parallelism at TP2 and online experience replay
     (replay.mode=both: the offline pool plus the run's own verified answers, at most 2 per
     question, replayed toward the questions that failed): contract metrics finite, the engine
     agrees with the actor on every fresh token, and step 3 redone from the step-2 checkpoint
-    equals the straight run's step 3 in every metric (the online pool is part of the
-    checkpoint). The learning rate decays by a cosine from 1e-3 to 1e-4 over the 3 steps, and
-    the resumed step 3 takes it up where the checkpoint left it."""
+    equals the straight run's step 3 in every metric (the online pool and the pass rates are
+    part of the checkpoint; the low_pass run is killed with SIGKILL as step 3's training
+    begins, then started again). The learning rate decays by a cosine from 1e-3 to 1e-4 over
+    the 3 steps, and the resumed step 3 takes it up where the checkpoint left it."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "optim.lr_decay=cosine", "optim.min_lr=1e-4", *layout]
     online = "replay.mode=both" in layout
-    if online:
-        (tmp_path / "half.py").write_text(HALF_REWARD)
-        # the same 4 questions every step, so that a step replays what the previous admitted
-        few = str(tmp_path / "four.parquet")
-        write_table_atomic(rows_to_table(read_prompt_file(task["train"]).select(range(4))), few)
-        common += [f"reward.function={tmp_path / 'half.py'}:compute_score",
-                   "reward.overlong_buffer_tokens=0", f"data.train_files=[{few}]"]
-    a = straight_equals_resumed(tiny_qwen2_dir, task, common, tmp_path)
+    low_pass = "replay.policy=low_pass" in layout
+    (tmp_path / "half.py").write_text(HALF_REWARD)
+    # the same 4 questions every step, so that a step replays what the previous admitted, or
+    # by the pass rates the previous steps left
+    few = str(tmp_path / "four.parquet")
+    write_table_atomic(rows_to_table(read_prompt_file(task["train"]).select(range(4))), few)
+    common += [f"reward.function={tmp_path / 'half.py'}:compute_score",
+               "reward.overlong_buffer_tokens=0", f"data.train_files=[{few}]"]
+    a = straight_equals_resumed(tiny_qwen2_dir, task, common, tmp_path, kill=low_pass)
     for entry in a[1:]:
         for key in CONTRACT_KEYS:
             assert math.isfinite(entry[key]), (key, entry[key])
@@ -230,19 +235,46 @@ def test_long_sequence_layouts_train_and_resume_bit_for_bit(layout, tiny_qwen2_d
         assert [e["replay/pool_answers"] for e in a[1:]] == [96 + n for n in online_answers]
         assert a[1]["replay/online_age_mean"] == 0.0  # nothing online before step 1
         assert any(e["replay/online_age_mean"] >= 1 for e in a[2:])
+    if low_pass:
+        # step 1: every question unseen, all 4 groups replayed; later steps decide by the
+        # tracked pass rates of the same 4 questions (every replay is one of M per group)
+        assert a[1]["replay/groups_by_pass_rate/unseen"] == 4.0
+        assert a[1]["replay/num_sequences"] == 4 * M
+        for e in a[2:]:
+            assert e["replay/groups_by_pass_rate/unseen"] == 0.0
+            assert e["replay/pass_rate_questions"] == 4.0
+            replayed = sum(e[f"replay/groups_by_pass_rate/{b}"]
+                           * e[f"replay/share_by_pass_rate/{b}"]
+                           for b in ("lt25", "25to50", "50to75", "ge75"))
+            assert e["replay/num_sequences"] == pytest.approx(M * replayed, abs=1e-9)
 
 
-def straight_equals_resumed(hf_dir, task, common, tmp_path, steps=3, resume_with=()):
+def straight_equals_resumed(hf_dir, task, common, tmp_path, steps=3, resume_with=(),
+                            kill=False):
     """``steps`` straight steps on 2 ranks (checkpoints every 2 steps and at the end), then the
     same run (with the overrides ``resume_with`` added) resumed from its step-2 checkpoint: the
     steps after it redone, and every metric but the timings equal (the steps up to the
-    checkpoint are the straight run's own records). Returns the straight run's metrics."""
+    checkpoint are the straight run's own records). ``kill``: the second run is a run of its
+    own, killed with SIGKILL as step 3's training begins, then started again. Returns the
+    straight run's metrics."""
     out = tmp_path / "run"
-    args = ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
-            *train_overrides(hf_dir, task, str(out), steps=steps), *common]
-    run_rlep(args, nproc=2)
+
+    def args_to(directory):
+        return ["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+                *train_overrides(hf_dir, task, str(directory), steps=steps), *common]
+
+    run_rlep(args_to(out), nproc=2)
     a = read_jsonl(out / "metrics.jsonl")
-    resume_from_checkpoint([*args, *resume_with], out, step=2)
+    if kill:
+        out = tmp_path / "killed"
+        proc = run_rlep(args_to(out), nproc=2, check=False,
+                        env={"RLEP_FAULT_INJECT": "kill@train:3"})
+        assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
+        assert [e["step"] for e in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2]
+        resumed = run_rlep([*args_to(out), *resume_with], nproc=2)
+        assert "step_00000002 (step 2)" in resumed.stdout + resumed.stderr
+    else:
+        resume_from_checkpoint([*args_to(out), *resume_with], out, step=2)
     b = read_jsonl(out / "metrics.jsonl")
     assert [e["step"] for e in a] == [e["step"] for e in b] == list(range(steps + 1))
     for x, y in zip(a, b):

@@ -1,0 +1,117 @@
+"""Replay policies (``replay.policy``): per group, whether pool answers join it.
+
+- ``uniform`` (the paper, the default): every group whose question has pool answers gets
+  ``replay.num_replays_per_prompt`` of them.
+- ``low_pass``: a group gets them with probability 1 - p, p its question's tracked pass rate
+  (:class:`PassRateTracker`; a question not rolled out before always gets them), so replay goes
+  to the questions the policy still fails.
+- ``rescue``: only a group whose fresh responses all failed gets them: the one group that
+  carries no signal without them. With ``algo.dynamic_sampling`` such a group is then kept (its
+  replays vary its rewards) instead of dropped.
+
+The decision of one group (:meth:`ReplayPolicy.keep_prob`) is a probability: 1 draws as the
+paper does, 0 draws nothing (and takes no random number), in between the replay sampler draws
+one uniform number against it first.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+POLICIES = ("uniform", "low_pass", "rescue")
+
+# the pass-rate bins of the replay metrics (docs/metrics.md): [0, .25), [.25, .5), [.5, .75),
+# [.75, 1], and the questions not rolled out yet
+PASS_RATE_BINS = ("lt25", "25to50", "50to75", "ge75")
+UNSEEN = "unseen"
+
+
+def pass_rate_bin(rate: Optional[float]) -> str:
+    if rate is None:
+        return UNSEEN
+    return PASS_RATE_BINS[min(3, int(rate * 4))]
+
+
+class PassRateTracker:
+    """Per question (prompt key), its fresh responses' share verified correct, as an
+    exponential moving average over the steps that rolled it out: ``p <- (1 - a) p + a x``
+    with ``a`` = ``replay.pass_rate_ema`` (1: the latest rollout only); its first rollout sets
+    it. Updated after each step from every generation round of the step (with dynamic sampling
+    the groups it dropped too), so a step's replay decisions see the earlier steps only. Kept in
+    checkpoints."""
+
+    def __init__(self, ema: float):
+        if not 0.0 < ema <= 1.0:
+            raise ValueError(f"replay.pass_rate_ema must be in (0, 1], got {ema}")
+        self.ema = ema
+        self.rates: dict[str, float] = {}
+
+    def get(self, key: str) -> Optional[float]:
+        return self.rates.get(key)
+
+    def update(self, observed: Sequence[tuple[str, Sequence[bool]]]) -> None:
+        """One step's ``(question key, its fresh responses' correctness)`` per group; a
+        question rolled out in several groups of the step counts them as one observation."""
+        merged: dict[str, list[bool]] = {}
+        for key, correct in observed:
+            merged.setdefault(key, []).extend(bool(c) for c in correct)
+        for key, correct in merged.items():
+            if not correct:
+                continue
+            x = sum(correct) / len(correct)
+            old = self.rates.get(key)
+            self.rates[key] = x if old is None else (1.0 - self.ema) * old + self.ema * x
+
+    def histogram(self) -> dict[str, float]:
+        """The share of the tracked questions in each pass-rate bin."""
+        counts = dict.fromkeys(PASS_RATE_BINS, 0)
+        for rate in self.rates.values():
+            counts[pass_rate_bin(rate)] += 1
+        total = max(1, len(self.rates))
+        return {name: counts[name] / total for name in PASS_RATE_BINS}
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "rates": dict(self.rates)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["ema"] != self.ema:
+            raise ValueError(f"the checkpoint's pass rates were tracked with replay."
+                             f"pass_rate_ema={state['ema']}, this run has {self.ema}: resume "
+                             "with the same value")
+        self.rates = dict(state["rates"])
+
+
+class ReplayPolicy:
+    """``uniform``: every group with a pool gets its replays (``keep_prob`` 1)."""
+
+    name = "uniform"
+    needs_fresh_rewards = False
+    """True: the decision reads the group's fresh rewards, so they are scored first."""
+
+    def keep_prob(self, pass_rate: Optional[float], fresh_correct: Sequence[bool]) -> float:
+        return 1.0
+
+
+class LowPassPolicy(ReplayPolicy):
+    """``low_pass``: probability 1 - p, p the question's tracked pass rate (1 unseen)."""
+
+    name = "low_pass"
+
+    def keep_prob(self, pass_rate, fresh_correct) -> float:
+        return 1.0 if pass_rate is None else 1.0 - pass_rate
+
+
+class RescuePolicy(ReplayPolicy):
+    """``rescue``: only groups whose fresh responses all failed."""
+
+    name = "rescue"
+    needs_fresh_rewards = True
+
+    def keep_prob(self, pass_rate, fresh_correct) -> float:
+        return 1.0 if fresh_correct and not any(fresh_correct) else 0.0
+
+
+def make_replay_policy(name: str) -> ReplayPolicy:
+    policies = {cls.name: cls for cls in (ReplayPolicy, LowPassPolicy, RescuePolicy)}
+    if name not in policies:
+        raise ValueError(f"replay.policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return policies[name]()
