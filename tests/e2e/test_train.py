@@ -123,19 +123,23 @@ def test_resume_is_bit_for_bit_with_the_distributed_optimizer(tiny_qwen2_dir, ta
 
 
 def test_dynamic_sampling_keeps_whole_groups_with_signal(tiny_qwen2_dir, task, pool, tmp_path):
-    """Official DAPO's filter: with replays (correct) next to fresh answers of an untrained
-    model (wrong), every group's accuracy varies, so one round fills the batch; without a pool
-    no group has signal and the run stops with a clear error after the allowed rounds."""
+    """Official DAPO's filter on a task the untrained model never solves: every group's fresh
+    answers fail. With ``replay.policy=rescue`` each of them gets its replays (one correct),
+    so its accuracy varies and one round fills the batch, the fresh answers pushed down and
+    the replays up; without a pool no group has signal and the run stops with a clear error
+    after the allowed rounds."""
     out = tmp_path / "dyn"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(out), steps=1),
               f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
-              "algo.dynamic_sampling=true", "algo.max_generation_rounds=3",
-              "trainer.validation_interval_steps=0"])
+              "replay.policy=rescue", "algo.dynamic_sampling=true",
+              "algo.max_generation_rounds=3", "trainer.validation_interval_steps=0"])
     (entry,) = read_jsonl(out / "metrics.jsonl")
+    assert entry["rollout/acc_mean"] == 0.0
     assert entry["rollout/generation_rounds"] == 1
-    assert entry["rollout/num_groups"] == 4
+    assert entry["rollout/num_groups"] == 4 and entry["replay/rescued_groups"] == 4
     assert entry["replay/fraction"] == pytest.approx(M / (G + M), abs=1e-12)
+    assert entry["advantage/mean/fresh"] < 0 < entry["advantage/mean/replay"]
     failed = run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
                        *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "none"), steps=1),
                        "algo.dynamic_sampling=true", "algo.max_generation_rounds=2",
