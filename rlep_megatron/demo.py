@@ -328,7 +328,7 @@ def verdict(paired: dict, label: str = "RLEP") -> str:
     return f"{head} {interval}: the interval includes 0, so this run shows no difference."
 
 
-def paired_table(paired: dict, k: int, label: str = "RLEP") -> str:
+def paired_table(paired: dict, k: int, label: str = "RLEP", reference: str = "baseline") -> str:
     def interval(d: dict, scale: float, unit: str) -> str:
         if d["low"] is None:
             return f"{scale * d['mean']:+.1f}{unit}"
@@ -341,11 +341,11 @@ def paired_table(paired: dict, k: int, label: str = "RLEP") -> str:
         return interval(d[label], 1, "") if any(reached) else "reached by no run"
 
     d = paired["differences"]
-    rows = [(f"{label} - baseline, paired by seed", "mean [95% interval]"),
+    rows = [(f"{label} - {reference}, paired by seed", "mean [95% interval]"),
             (f"best validation mean@{k} (points)", interval(d["best"], 100, "")),
             (f"final validation mean@{k} (points)", interval(d["final"], 100, "")),
             ("area under the validation curve (points)", interval(d["auc"], 100, "")),
-            ("steps to the peak of the baseline's mean curve", steps("to_best")),
+            (f"steps to the peak of the {reference}'s mean curve", steps("to_best")),
             (f"steps to step 0 + {100 * paired['fixed_gain']:.0f} points", steps("to_fixed"))]
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]

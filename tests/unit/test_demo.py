@@ -1,11 +1,13 @@
 """``rlep demo``'s report: curves across seeds, best/final spread, steps to the baseline's best,
 worked by hand on small curves."""
 import json
+import os
 import statistics
 
 import pytest
 
 from rlep_megatron.demo import band, comparison_table, plot_comparison, read_curves, summarise_arm
+from tests.torchrun import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -240,3 +242,35 @@ def test_phases_at_once_and_a_failure_stops_the_others(monkeypatch, tmp_path):
     assert (demo.default_jobs(1), demo.default_jobs(2)) == (2, 1)
     monkeypatch.setattr(demo.os, "cpu_count", lambda: 64)
     assert demo.default_jobs(1) == 4
+
+
+def test_replay_policy_bench_bins_questions_by_step0_pass_rate_worked_by_hand():
+    """bench/replay_policies.py's difficulty table: questions binned by their pass rate at
+    step 0, each arm's accuracy per bin (mean over the bin's questions, then over seeds) and
+    its paired difference to the baseline."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_policies", os.path.join(REPO_ROOT, "bench", "replay_policies.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def q(*acc):
+        return {"acc": list(acc)}
+
+    # pass rates 0, 1/4, 1/2, 1 and 3/4: bins 0, 1, 2, 3, 3
+    step0 = [q(0, 0, 0, 0), q(1, 0, 0, 0), q(1, 1, 0, 0), q(1, 1, 1, 1), q(1, 1, 1, 0)]
+    bins = bench.difficulty_bins(step0)
+    assert bins == [0, 1, 2, 3, 3]
+    after = [q(1, 0), q(1, 1), q(0, 0), q(1, 1), q(1, 0)]
+    assert bench.accuracy_by_bin(after, bins) == [0.5, 1.0, 0.0, 0.75]
+    with pytest.raises(ValueError, match="5 questions evaluated, 2 binned"):
+        bench.accuracy_by_bin(after, bins[:2])
+    # two seeds; the other arm is 10 and 30 points above the baseline in bin 0
+    by_arm = {"baseline": [[0.5, 1.0, 0.0, 0.75], [0.3, 1.0, 0.0, 0.75]],
+              "rescue": [[0.6, 1.0, 0.0, 0.75], [0.6, 1.0, 0.0, 0.75]]}
+    table = bench.bin_table(by_arm, [1, 1, 1, 2])
+    row = next(line for line in table.splitlines() if line.startswith("| [0, .25)"))
+    # mean 60.0; paired differences +10 and +30: mean +20, t(0.975, 1) = 12.706,
+    # sd 14.14 / sqrt(2) = 10 -> +20 +- 127.1
+    assert row.split(" | ")[2:] == ["40.0", "60.0 (+20.0 [-107.1, +147.1]) |"]
