@@ -200,7 +200,7 @@ class CheckpointManager:
     def _trainer_state(trainer) -> dict:
         return {
             "step": trainer.step,
-            **trainer.rollout.state_dict(),  # "sampler", "replay_sampler"
+            **trainer.rollout.state_dict(),  # "sampler", "replay_sampler", "pass_rates"
             "optimizer_counters": trainer.learner.optimizer.state_dict(),
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state()},

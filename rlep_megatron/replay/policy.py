@@ -72,12 +72,18 @@ class PassRateTracker:
     def state_dict(self) -> dict:
         return {"ema": self.ema, "rates": dict(self.rates)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> bool:
+        """Restore the saved rates; with another ``replay.pass_rate_ema`` an error when
+        ``strict`` (the rates decide replays), else nothing is restored (they only feed
+        metrics) and False is returned."""
         if state["ema"] != self.ema:
+            if not strict:
+                return False
             raise ValueError(f"the checkpoint's pass rates were tracked with replay."
                              f"pass_rate_ema={state['ema']}, this run has {self.ema}: resume "
                              "with the same value")
         self.rates = dict(state["rates"])
+        return True
 
 
 class ReplayPolicy:
@@ -96,7 +102,7 @@ class LowPassPolicy(ReplayPolicy):
 
     name = "low_pass"
 
-    def keep_prob(self, pass_rate, fresh_correct) -> float:
+    def keep_prob(self, pass_rate: Optional[float], fresh_correct: Sequence[bool]) -> float:
         return 1.0 if pass_rate is None else 1.0 - pass_rate
 
 
@@ -106,7 +112,7 @@ class RescuePolicy(ReplayPolicy):
     name = "rescue"
     needs_fresh_rewards = True
 
-    def keep_prob(self, pass_rate, fresh_correct) -> float:
+    def keep_prob(self, pass_rate: Optional[float], fresh_correct: Sequence[bool]) -> float:
         return 1.0 if fresh_correct and not any(fresh_correct) else 0.0
 
 

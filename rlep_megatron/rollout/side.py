@@ -236,11 +236,13 @@ class RolloutSide:
             keep = policy.keep_prob(rate, fresh[group] if fresh else ())
             if weighted:  # toward the questions the policy failed at their last rollout
                 keep = 1.0 - online.pass_rate.get(key, 0.0)
+            # keep 0 draws no random number, except in the online weighting, which always
+            # did (it goes with uniform only: the config refuses it with another policy)
             indices = (self.replay_sampler.draw_indices(messages, keep_prob=keep)
                        if keep > 0.0 or weighted else [])
-            if self.replay_sampler.pool.get(messages):
-                self._decisions.append((pass_rate_bin(rate), bool(indices)))
             answers = self.replay_sampler.pool.get(messages)
+            if answers:
+                self._decisions.append((pass_rate_bin(rate), bool(indices)))
             items = tokenize_replays([answers[i] for i in indices], self.tokenizer,
                                      self.cfg.rollout.max_response_tokens, self.eos_token_id)
             for index, item in zip(indices, items):
@@ -419,7 +421,11 @@ class RolloutSide:
         if self.replay_sampler is not None and state["replay_sampler"] is not None:
             self.replay_sampler.load_state_dict(state["replay_sampler"])
         if self.pass_rates is not None and state.get("pass_rates") is not None:
-            self.pass_rates.load_state_dict(state["pass_rates"])
+            low_pass = self.replay_policy.name == "low_pass"
+            if not self.pass_rates.load_state_dict(state["pass_rates"], strict=low_pass):
+                logger.warning("the checkpoint's pass rates were tracked with another "
+                               "replay.pass_rate_ema: the replay/pass_rate metrics start "
+                               "afresh")
         elif self.pass_rates is not None and self.replay_policy.name == "low_pass":
             logger.warning("the checkpoint has no tracked pass rates (saved before "
                            "replay.policy existed): replay.policy=low_pass starts from none")

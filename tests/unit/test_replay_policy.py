@@ -126,6 +126,45 @@ def test_uniform_replays_every_group_with_a_pool():
     assert all(s.acc for s in batch.sequences if s.source == REPLAY)
 
 
+def test_uniform_draws_as_the_replay_sampler_alone_did():
+    """The default policy takes the replay sampler's draws group by group, as before policies
+    existed: with more pool answers than M (a random choice per group), and with the online
+    modes' own weighting (one uniform number per group with a pool, also at pass rate 1, when
+    it keeps nothing), re-made here from a sampler of the same seed."""
+    from rlep_megatron.replay import OnlinePool
+
+    pools = {q: [f"({c}) " + right(q) for c in "abcde"] for q in range(3)}
+    side, messages = make_side("uniform", pools, [ROUND])
+    reference = ReplaySampler(ExperiencePool({prompt_key(messages[q]): list(t)
+                                              for q, t in pools.items()}), 2, SEED)
+    for step in range(3):
+        batch = side.next_batch(step, Timer())
+        drawn = [[s.pool_index for s in batch.sequences if s.group == g and s.source == REPLAY]
+                 for g in range(4)]
+        assert drawn == [reference.draw_indices(messages[r]) for r in ROUND[0]], step
+        assert all(len(d) == 2 for d in drawn[:3])
+    # replay.mode=online with replay.online_low_pass_weight: keep 1 - the online pass rate
+    side, messages = make_side("uniform", {}, [ROUND], ["replay.mode=online",
+                                                        "replay.online_low_pass_weight=true"])
+    online = OnlinePool({prompt_key(messages[q]): list(t) for q, t in pools.items()}, 5)
+    side.pool = side.online_pool = side.replay_sampler.pool = online
+    for q, rate in ((0, 0.0), (1, 0.5), (2, 1.0)):
+        online.pass_rate[prompt_key(messages[q])] = rate
+    rng = np.random.default_rng([SEED, 0x5E1A7])
+    for step in range(4):
+        side._candidates = []
+        batch = side._plain_batch(Timer(), step)
+        drawn = [[s.pool_index for s in batch.sequences if s.group == g and s.source == REPLAY]
+                 for g in range(3)]
+        expected = []
+        for keep in (1.0, 0.5, 0.0):
+            if keep < 1.0 and rng.random() >= keep:
+                expected.append([])
+            else:
+                expected.append([int(i) for i in rng.choice(5, size=2, replace=False)])
+        assert drawn == expected, step
+
+
 def test_rescue_replays_only_into_groups_whose_fresh_answers_all_failed():
     side, _ = make_side("rescue", POOLS, [ROUND])
     batch = side.next_batch(0, Timer())
@@ -152,9 +191,13 @@ def test_low_pass_replays_with_one_minus_the_tracked_pass_rate():
     rates = side.pass_rates.rates
     assert [rates[prompt_key(messages[q])] for q in range(4)] == pytest.approx([0, 1 / 3, 1, 0])
     rng = np.random.default_rng([SEED, 0x5E1A7])  # the replay sampler's stream
-    for step in (1, 2, 3, 4, 5):
+    outcomes = []
+    for step in range(1, 9):
         batch = side.next_batch(step, Timer())
-        assert replayed_groups(batch) == [0, 1] if rng.random() < 1 - 1 / 3 else [0]
+        expected = [0, 1] if rng.random() < 1 - 1 / 3 else [0]
+        assert replayed_groups(batch) == expected, step
+        outcomes.append(expected)
+    assert [0] in outcomes and [0, 1] in outcomes  # both branches were taken
     m = side.metrics(batch, 5)
     assert m["replay/groups_by_pass_rate/lt25"] == 1.0  # row 0
     assert m["replay/share_by_pass_rate/lt25"] == 1.0
@@ -203,36 +246,44 @@ def test_group_statistics_include_the_rescued_replays():
     assert all(s.advantage == 0 for s in batch.sequences if s.group in (2, 3))
 
 
-# dynamic sampling, 2 groups wanted: round 0 has an all-wrong row with a pool (0) and an
-# all-right one (2); round 1 an all-wrong row without a pool (3) and an all-wrong row with one
-# (1); round 2 all-right rows only
+# dynamic sampling, 3 groups wanted: round 0 has an all-wrong row with a pool (0) and an
+# all-right one (2); round 1 an all-wrong row without a pool (3), an all-wrong row with one
+# (1) and a mixed row with one (2); round 2 all-right rows only
 DYNAMIC_ROUNDS = [([0, 2], [[wrong(0)] * 3, [right(2)] * 3]),
-                  ([3, 1], [[wrong(3)] * 3, [wrong(1)] * 3]),
+                  ([3, 1, 2], [[wrong(3)] * 3, [wrong(1)] * 3, [right(2), wrong(2), wrong(2)]]),
                   ([2, 2], [[right(2)] * 3, [right(2)] * 3])]
-DYNAMIC = ["algo.dynamic_sampling=true", "data.train_batch_size=2",
+DYNAMIC = ["algo.dynamic_sampling=true", "data.train_batch_size=3",
            "algo.max_generation_rounds=3"]
 
 
 def test_rescue_keeps_all_failed_groups_under_dynamic_sampling_where_plain_runs_out():
-    # without replays (M = 0) no round has a group with signal: out of rounds
+    # without replays (M = 0) only the mixed group has signal: out of rounds
     side, _ = make_side("uniform", {}, DYNAMIC_ROUNDS, DYNAMIC, M=0)
     side.replay_sampler = side.pass_rates = None
     side.add_replays = lambda batch, step: None
-    with pytest.raises(RuntimeError, match="kept 0 of 2 groups in 3 rounds"):
+    with pytest.raises(RuntimeError, match="kept 1 of 3 groups in 3 rounds"):
         side.next_batch(0, Timer())
     side, _ = make_side("rescue", POOLS, DYNAMIC_ROUNDS, DYNAMIC)
     batch = side.next_batch(0, Timer())
     assert batch.generation_rounds == 2
-    assert batch.rows == [0, 1]  # the two rescued rows; row 2 (all right) and 3 (no pool) go
-    # G' = G + M = 5 in each kept group, its M replays last
-    assert [[s.source for s in batch.sequences if s.group == g] for g in (0, 1)] == [
-        [FRESH] * 3 + [REPLAY] * 2] * 2
-    assert [s.group for s in batch.sequences] == [0] * 5 + [1] * 5
+    # the two rescued rows and the mixed one; row 2 all right and row 3 (no pool) go
+    assert batch.rows == [0, 1, 2]
+    # G' = G + M = 5 in each rescued group, its M replays last; G = 3 in the mixed group,
+    # which rescue leaves alone (uniform would have replayed into it)
+    assert [[s.source for s in batch.sequences if s.group == g] for g in (0, 1, 2)] == [
+        [FRESH] * 3 + [REPLAY] * 2, [FRESH] * 3 + [REPLAY] * 2, [FRESH] * 3]
+    assert [s.group for s in batch.sequences] == [0] * 5 + [1] * 5 + [2] * 3
     m = side.metrics(batch, 0)
-    assert m["replay/rescued_groups"] == 2.0 and m["rollout/num_groups"] == 2.0
-    assert m["replay/fraction"] == pytest.approx(2 / 5)
+    assert m["replay/rescued_groups"] == 2.0 and m["rollout/num_groups"] == 3.0
+    assert m["replay/fraction"] == pytest.approx(4 / 10)  # of the groups with replays
     # the tracker saw every round's groups, the dropped ones too
     assert len(side.pass_rates.rates) == 4
+    # uniform replays into every group with a pool: the all-right groups (replays right too)
+    # are dropped, the rescued and the mixed ones kept with their replays
+    side, _ = make_side("uniform", POOLS, DYNAMIC_ROUNDS, DYNAMIC)
+    batch = side.next_batch(0, Timer())
+    assert batch.rows == [0, 1, 2]
+    assert [len([s for s in batch.sequences if s.group == g]) for g in (0, 1, 2)] == [5, 5, 5]
 
 
 def test_policy_settings_are_checked():
