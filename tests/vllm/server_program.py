@@ -39,11 +39,20 @@ from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 from tests.vllm.rollout_sync_program import PAD, PROMPTS, chat, common_prefix_diffs, take_step
 
 
-def generated_tokens(url: str) -> float:
-    """The server's count of tokens generated so far (its Prometheus ``/metrics``)."""
+def generated_tokens(url: str, timeout_s: float = 60.0) -> float:
+    """The server's count of tokens generated so far (its Prometheus ``/metrics``). A read the
+    server's API process does not answer within 5 s (busy on a loaded machine: a CI run with
+    a core kept busy timed out here) is tried again, up to ``timeout_s`` in all."""
     import urllib.request
-    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
-        text = response.read().decode()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+                text = response.read().decode()
+            break
+        except (TimeoutError, OSError):  # urllib's URLError and socket timeouts are OSErrors
+            if time.monotonic() > deadline:
+                raise
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:generation_tokens_total"))
 
