@@ -121,3 +121,52 @@ def make_replay_policy(name: str) -> ReplayPolicy:
     if name not in policies:
         raise ValueError(f"replay.policy must be one of {', '.join(POLICIES)}, got {name!r}")
     return policies[name]()
+
+
+class ReplayRecord:
+    """One step's replay bookkeeping beside the tracker: the decision for each group whose
+    question has pool answers (its pass-rate bin before the step, replayed or not), and the
+    fresh responses' correctness of every generation round, which update the tracker once the
+    step's replays are drawn. Its metrics say where the step's replays went
+    (docs/metrics.md)."""
+
+    def __init__(self, tracker: PassRateTracker):
+        self.tracker = tracker
+        self.decisions: list[tuple[str, bool]] = []
+        self.observed: list[tuple[str, list[bool]]] = []
+
+    def start_step(self) -> None:
+        self.decisions = []
+
+    def decided(self, pass_rate: Optional[float], replayed: bool) -> None:
+        self.decisions.append((pass_rate_bin(pass_rate), bool(replayed)))
+
+    def observe(self, observed: Sequence[tuple[str, list[bool]]]) -> None:
+        """A generation round's ``(question key, its fresh responses' correctness)``."""
+        self.observed += observed
+
+    def end_step(self) -> None:
+        """After the step's replays: the tracker learns the step's rounds."""
+        self.tracker.update(self.observed)
+        self.observed = []
+
+    def metrics(self, group_correct: Sequence[Sequence[bool]],
+                replayed_groups: set[int]) -> dict[str, float]:
+        """Per pass-rate bin of the question (tracked before the step): the groups with a pool
+        and the share of them that got replays; the groups rescued (every fresh response of the
+        step's batch failed, replays joined); the tracked questions' pass-rate histogram after
+        the step. ``group_correct``: per group of the batch, its fresh responses' correctness;
+        ``replayed_groups``: the groups with replays."""
+        m: dict[str, float] = {}
+        for name in (*PASS_RATE_BINS, UNSEEN):
+            got = [replayed for bin_name, replayed in self.decisions if bin_name == name]
+            m[f"replay/groups_by_pass_rate/{name}"] = float(len(got))
+            m[f"replay/share_by_pass_rate/{name}"] = (float(sum(got) / len(got)) if got
+                                                       else 0.0)
+        failed = [group for group, correct in enumerate(group_correct)
+                  if correct and not any(correct)]
+        m["replay/rescued_groups"] = float(sum(group in replayed_groups for group in failed))
+        m.update({f"replay/pass_rate_hist/{name}": value
+                  for name, value in self.tracker.histogram().items()})
+        m["replay/pass_rate_questions"] = float(len(self.tracker.rates))
+        return m

@@ -38,6 +38,15 @@ def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else 0.0
 
 
+def fresh_correct_by_group(batch: StepBatch) -> list[list[bool]]:
+    """Per group of the batch, its fresh responses' correctness (scored already)."""
+    correct: list[list[bool]] = [[] for _ in batch.rows]
+    for seq in batch.sequences:
+        if seq.source == FRESH:
+            correct[seq.group].append(bool(seq.acc))
+    return correct
+
+
 def load_training_data(cfg):
     """``(train_rows, val_rows, pool)`` with every check of the files done: the training rows
     (only those with a pool under ``replay.pooled_questions_only``), the deduplicated
@@ -94,7 +103,8 @@ class RolloutSide:
 
     def __init__(self, cfg, scheduler, tokenizer, eos_token_id: int, train_rows, pool):
         from rlep_megatron.data.sampler import make_prompt_sampler
-        from rlep_megatron.replay.policy import PassRateTracker, make_replay_policy
+        from rlep_megatron.replay.policy import (PassRateTracker, ReplayRecord,
+                                                 make_replay_policy)
         from rlep_megatron.replay.pool import OnlinePool, ReplaySampler
         from rlep_megatron.reward import make_scorer_pool
 
@@ -110,8 +120,7 @@ class RolloutSide:
         # per question, its fresh responses' pass rate (replay.policy=low_pass; the metrics)
         self.pass_rates = (PassRateTracker(cfg.replay.pass_rate_ema)
                            if self.replay_sampler else None)
-        self._observed: list = []  # the step's (question, fresh correctness) per group
-        self._decisions: list = []  # the step's (pass-rate bin, replayed) per group with a pool
+        self.record = ReplayRecord(self.pass_rates) if self.pass_rates is not None else None
         self.scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers,
                                        cfg.reward.timeout_s)
         self._prompt_cache: dict[int, list[int]] = {}
@@ -126,13 +135,13 @@ class RolloutSide:
     def next_batch(self, step: int, timer) -> StepBatch:
         """The scored groups that training step ``step`` (the policy version being trained)
         learns from."""
-        self._decisions = []
+        if self.record is not None:
+            self.record.start_step()
         batch = self._make_batch(timer, step)
         self._count_replays(batch)
         self.admitted = self._admit_online(step)
-        if self.pass_rates is not None:  # after the step: its replays saw earlier steps only
-            self.pass_rates.update(self._observed)
-            self._observed = []
+        if self.record is not None:  # after the step: its replays saw earlier steps only
+            self.record.end_step()
         return batch
 
     def prompt_ids(self, rows, row: int) -> list[int]:
@@ -176,8 +185,10 @@ class RolloutSide:
                 self.add_replays(batch, step)
             with timer.phase("reward"):
                 self.reward(batch)
-        if self.pass_rates is not None:
-            self._observed += self._fresh_correct(batch)
+        if self.record is not None:
+            self.record.observe(
+                [(self.train_rows.prompt_key(row), correct)
+                 for row, correct in zip(batch.rows, fresh_correct_by_group(batch))])
         if self.online_pool is not None:
             # every round's groups, before dynamic sampling keeps some (or drops them all)
             self._candidates += self._fresh_groups(
@@ -221,17 +232,15 @@ class RolloutSide:
         return kept
 
     def _replays(self, batch: StepBatch, step: int) -> None:
-        from rlep_megatron.data.schema import prompt_key
-        from rlep_megatron.replay.policy import pass_rate_bin
         from rlep_megatron.replay.pool import tokenize_replays
 
         replays = []
         online, weighted = self.online_pool, self.cfg.replay.online_low_pass_weight
         policy, pass_rates = self.replay_policy, self.pass_rates
-        fresh = self._group_correct(batch) if policy.needs_fresh_rewards else None
+        fresh = fresh_correct_by_group(batch) if policy.needs_fresh_rewards else None
         for group, row in enumerate(batch.rows):
             messages = self.train_rows.messages[row]
-            key = prompt_key(messages)
+            key = self.train_rows.prompt_key(row)
             rate = pass_rates.get(key)
             keep = policy.keep_prob(rate, fresh[group] if fresh else ())
             if weighted:  # toward the questions the policy failed at their last rollout
@@ -242,7 +251,7 @@ class RolloutSide:
                        if keep > 0.0 or weighted else [])
             answers = self.replay_sampler.pool.get(messages)
             if answers:
-                self._decisions.append((pass_rate_bin(rate), bool(indices)))
+                self.record.decided(rate, bool(indices))
             items = tokenize_replays([answers[i] for i in indices], self.tokenizer,
                                      self.cfg.rollout.max_response_tokens, self.eos_token_id)
             for index, item in zip(indices, items):
@@ -296,23 +305,6 @@ class RolloutSide:
             if seq.source == REPLAY:
                 self.replay_sampler.record(self.train_rows.messages[batch.rows[seq.group]],
                                            seq.pool_index)
-
-    @staticmethod
-    def _group_correct(batch: StepBatch) -> list[list[bool]]:
-        """Per group of the batch, its fresh responses' correctness (scored already)."""
-        correct: list[list[bool]] = [[] for _ in batch.rows]
-        for seq in batch.sequences:
-            if seq.source == FRESH:
-                correct[seq.group].append(bool(seq.acc))
-        return correct
-
-    def _fresh_correct(self, batch: StepBatch) -> list[tuple[str, list[bool]]]:
-        """Per group of a generation round: its question's key and its fresh responses'
-        correctness (the pass-rate tracker's input)."""
-        from rlep_megatron.data.schema import prompt_key
-
-        return [(prompt_key(self.train_rows.messages[row]), correct)
-                for row, correct in zip(batch.rows, self._group_correct(batch))]
 
     @staticmethod
     def _fresh_groups(batch: StepBatch, behaviour: bool = False) -> list[tuple]:
@@ -379,33 +371,13 @@ class RolloutSide:
             m["replay/pool_questions"] = float(len(self.pool))
             m["replay/pool_answers"] = float(sum(map(len, self.pool.answers.values())))
         if self.pass_rates is not None:
-            m.update(self._policy_metrics(batch, replay))
+            m.update(self.record.metrics(fresh_correct_by_group(batch),
+                                         {s.group for s in replay}))
         if self.online_pool is not None:
             m["replay/online_admitted"] = float(self.admitted)
             m["replay/online_answers"] = float(self.online_pool.num_online_answers())
             m["replay/online_age_mean"] = _mean(s.age for s in replay if s.age is not None)
             m["replay/age_mean"] = m["replay/online_age_mean"]
-        return m
-
-    def _policy_metrics(self, batch: StepBatch, replay: list[Sample]) -> dict[str, float]:
-        """Where the step's replays went (docs/metrics.md): per pass-rate bin of the question
-        (tracked before the step), the groups with a pool and the share of them that got
-        replays; the groups rescued (every fresh response failed, replays joined); the
-        tracked questions' pass-rate histogram after the step."""
-        from rlep_megatron.replay.policy import PASS_RATE_BINS, UNSEEN
-
-        m: dict[str, float] = {}
-        for name in (*PASS_RATE_BINS, UNSEEN):
-            got = [replayed for bin_name, replayed in self._decisions if bin_name == name]
-            m[f"replay/groups_by_pass_rate/{name}"] = float(len(got))
-            m[f"replay/share_by_pass_rate/{name}"] = _mean(got)
-        replayed = {s.group for s in replay}
-        failed = [group for group, correct in enumerate(self._group_correct(batch))
-                  if correct and not any(correct)]
-        m["replay/rescued_groups"] = float(sum(group in replayed for group in failed))
-        m.update({f"replay/pass_rate_hist/{name}": value
-                  for name, value in self.pass_rates.histogram().items()})
-        m["replay/pass_rate_questions"] = float(len(self.pass_rates.rates))
         return m
 
     # ------------------------------------------------------------------ checkpoint state

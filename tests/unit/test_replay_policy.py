@@ -12,7 +12,8 @@ from rlep_megatron.config import load_config
 from rlep_megatron.data import PromptRows
 from rlep_megatron.data.batch import FRESH, REPLAY
 from rlep_megatron.data.schema import prompt_key
-from rlep_megatron.replay.policy import PassRateTracker, make_replay_policy, pass_rate_bin
+from rlep_megatron.replay.policy import (PassRateTracker, ReplayRecord, make_replay_policy,
+                                         pass_rate_bin)
 from rlep_megatron.replay.pool import ExperiencePool, ReplaySampler
 from rlep_megatron.reward import compute_score
 from rlep_megatron.rollout.engine import Response
@@ -90,7 +91,8 @@ def make_side(policy, pools, rounds, overrides=(), M=2):
     side.scorer = InProcessScorer()
     side.replay_policy = make_replay_policy(policy)
     side.pass_rates = PassRateTracker(cfg.replay.pass_rate_ema)
-    side._observed, side._decisions, side._candidates = [], [], []
+    side.record = ReplayRecord(side.pass_rates)
+    side._candidates = []
     side.admitted = 0
     side.prompt_ids = lambda rows, row: [5, row]
     side._make_batch = (side._dynamic_batch if cfg.algo.dynamic_sampling
