@@ -47,6 +47,24 @@ def fresh_correct_by_group(batch: StepBatch) -> list[list[bool]]:
     return correct
 
 
+def fresh_groups(batch: StepBatch, behaviour: bool = False) -> list[tuple]:
+    """Per group of a generation round: its row, and its fresh answers' texts, whether the
+    reward verified each, whether each ended by itself (not cut at the budget) and, with
+    ``behaviour`` (``replay.correction`` uses it), each one's tokens, log-probs and the
+    version that began it (int32 / float32 arrays: they are kept in the online pool)."""
+    by_group: dict[int, list[Sample]] = {}
+    for seq in batch.sequences:
+        if seq.source == FRESH:
+            by_group.setdefault(seq.group, []).append(seq)
+    return [(batch.rows[group], [s.text for s in members], [s.acc for s in members],
+             [s.finish_reason != "length" for s in members],
+             [{"token_ids": np.asarray(s.token_ids, np.int32),
+               "logprobs": np.asarray(s.engine_logprobs, np.float32),
+               "version": s.versions[0][0] if s.versions else None}
+              if behaviour and s.engine_logprobs else None for s in members])
+            for group, members in sorted(by_group.items())]
+
+
 def load_training_data(cfg):
     """``(train_rows, val_rows, pool)`` with every check of the files done: the training rows
     (only those with a pool under ``replay.pooled_questions_only``), the deduplicated
@@ -191,7 +209,7 @@ class RolloutSide:
                  for row, correct in zip(batch.rows, fresh_correct_by_group(batch))])
         if self.online_pool is not None:
             # every round's groups, before dynamic sampling keeps some (or drops them all)
-            self._candidates += self._fresh_groups(
+            self._candidates += fresh_groups(
                 batch, behaviour=self.cfg.replay.correction != "none")
         return batch
 
@@ -305,24 +323,6 @@ class RolloutSide:
             if seq.source == REPLAY:
                 self.replay_sampler.record(self.train_rows.messages[batch.rows[seq.group]],
                                            seq.pool_index)
-
-    @staticmethod
-    def _fresh_groups(batch: StepBatch, behaviour: bool = False) -> list[tuple]:
-        """Per group of a generation round: its row, and its fresh answers' texts, whether the
-        reward verified each, whether each ended by itself (not cut at the budget) and, with
-        ``behaviour`` (``replay.correction`` uses it), each one's tokens, log-probs and the
-        version that began it (int32 / float32 arrays: they are kept in the online pool)."""
-        by_group: dict[int, list[Sample]] = {}
-        for seq in batch.sequences:
-            if seq.source == FRESH:
-                by_group.setdefault(seq.group, []).append(seq)
-        return [(batch.rows[group], [s.text for s in members], [s.acc for s in members],
-                 [s.finish_reason != "length" for s in members],
-                 [{"token_ids": np.asarray(s.token_ids, np.int32),
-                   "logprobs": np.asarray(s.engine_logprobs, np.float32),
-                   "version": s.versions[0][0] if s.versions else None}
-                  if behaviour and s.engine_logprobs else None for s in members])
-                for group, members in sorted(by_group.items())]
 
     def _admit_online(self, step: int) -> int:
         """replay.mode online / both: the step's verified-correct fresh answers that ended by

@@ -9,7 +9,7 @@ from rlep_megatron.actor.learner import LearningSide
 from rlep_megatron.actor.old_logprob import (mini_batch_plan, old_logprob_pass, train_batch,
                                              training_rows)
 from rlep_megatron.data.batch import FRESH, REPLAY, Sample, StepBatch
-from rlep_megatron.rollout.side import RolloutSide
+from rlep_megatron.rollout.side import RolloutSide, fresh_groups
 
 pytestmark = pytest.mark.unit
 
@@ -124,7 +124,7 @@ def test_online_admission_takes_every_generation_round_after_the_step():
             batch.sequences.append(Sample(i * len(rows) // len(answers), [1], text, FRESH,
                                           finish_reason=finish, acc=ok))
         batch.sequences.append(Sample(0, [1], "replayed", REPLAY, acc=True))  # never admitted
-        rounds += RolloutSide._fresh_groups(batch)
+        rounds += fresh_groups(batch)
     pool = OnlinePool({}, answers_per_question=4)
     trainer = types.SimpleNamespace(online_pool=pool, _candidates=rounds,
                                     train_rows=types.SimpleNamespace(messages=messages))
