@@ -123,8 +123,7 @@ class LearningSide:
         self.engine, self.pad_id = engine, pad_id
         self.streamer = WeightStreamer(self.chunks, self.info,
                                        cfg.rollout.weight_sync_bucket_bytes)
-        if hasattr(engine, "plan_weights"):  # rollout servers: what the stream will carry
-            engine.plan_weights(self.streamer)
+        engine.plan_weights(self.streamer)  # the servers: what the stream will carry
 
     # ------------------------------------------------------------------ phases
 

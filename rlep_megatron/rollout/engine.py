@@ -309,6 +309,13 @@ class RolloutEngine:
         costs = [len(p) + n * max_tokens for p in prompts]
         return split_by_budget(costs, self.dp_size)[self.dp_rank]
 
+    def requests(self, cfg):
+        """A driver of requests that continue across steps
+        (:class:`~rlep_megatron.rollout.requests.EngineRequests`)."""
+        from rlep_megatron.rollout.requests import EngineRequests
+
+        return EngineRequests(self, cfg)
+
     def sampling_params(self, n: int, temperature: float, top_p: float, top_k: int,
                         max_tokens: int, seed: int):
         from vllm import SamplingParams
@@ -372,9 +379,9 @@ class RolloutEngine:
                                         else routes.get(request.seed + completion.index),
                                         prompts[index])
                               for completion in output.outputs])
-        return self._all_gather(local, len(prompts))
+        return self.all_gather(local, len(prompts))
 
-    def _all_gather(self, local: list[list[Response]], num_prompts: int
+    def all_gather(self, local: list[list[Response]], num_prompts: int
                     ) -> list[list[Response]]:
         """Every replica's responses on every rank (one copy per replica is taken), over the
         rollout's gloo group. Routing tables stay with the replica that made them
@@ -396,6 +403,9 @@ class RolloutEngine:
     @property
     def stale(self) -> bool:
         return self._stale_reason is not None
+
+    def plan_weights(self, streamer) -> None:
+        """Nothing to plan: each update reloads the tensors that arrive."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      version: Optional[int] = None) -> dict[str, float]:

@@ -116,6 +116,18 @@ class EngineRequests:
                 del self.in_engine[output.request_id]
         self.step_log.append((running, time.perf_counter() - started))
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """Since the last call: the share of engine time spent with at most a quarter of the
+        largest number of requests running (the long tail), and the engine steps taken."""
+        log, self.step_log = self.step_log, []
+        if not log:
+            return {}
+        peak = max(running for running, _ in log)
+        total = sum(seconds for _, seconds in log)
+        tail = sum(seconds for running, seconds in log if running <= peak / 4)
+        return {"rollout/long_tail_time_frac": tail / total if total > 0 else 0.0,
+                "rollout/engine_steps": float(len(log))}
+
     def run_until(self, done: Callable[[], bool]) -> None:
         """Step the engine until ``done()``; a request the engine dropped is an error, not a
         hang."""

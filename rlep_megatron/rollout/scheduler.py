@@ -56,11 +56,7 @@ class AheadScheduler:
         self.max_staleness = (cfg.trainer.max_staleness if max_staleness is None
                               else max_staleness)
         self.ends_at_checkpoint = ends_at_checkpoint
-        from rlep_megatron.rollout.requests import EngineRequests
-
-        # vLLM servers (separate placement) have requests of their own
-        make = getattr(engine, "requests", None)
-        self.requests = make(cfg.rollout) if make else EngineRequests(engine, cfg.rollout)
+        self.requests = engine.requests(cfg.rollout)
         self.batches: dict[int, list[int]] = {}  # step -> rows of its batch, submitted
         self.paused = False
 
@@ -97,7 +93,7 @@ class AheadScheduler:
         self.requests.run_until(lambda: self.requests.finished(step))
         rows = self.batches.pop(step)
         local = self.requests.take(step, self.engine.get_tokenizer())
-        return rows, self.engine._all_gather(local, len(rows))
+        return rows, self.engine.all_gather(local, len(rows))
 
     def pause(self) -> None:
         """Before the weights change: requests in flight leave the engine."""
@@ -112,15 +108,5 @@ class AheadScheduler:
             self.paused = False
 
     def tail_metrics(self) -> dict[str, float]:
-        """Since the last call: the share of engine time spent with at most a quarter of the
-        largest number of requests running (the long tail), and the engine steps taken."""
-        if hasattr(self.requests, "idle_metrics"):  # rollout servers
-            return self.requests.idle_metrics()
-        log, self.requests.step_log = self.requests.step_log, []
-        if not log:
-            return {}
-        peak = max(running for running, _ in log)
-        total = sum(seconds for _, seconds in log)
-        tail = sum(seconds for running, seconds in log if running <= peak / 4)
-        return {"rollout/long_tail_time_frac": tail / total if total > 0 else 0.0,
-                "rollout/engine_steps": float(len(log))}
+        """Since the last call: how busy the engine was (the request driver's metrics)."""
+        return self.requests.rollout_metrics()

@@ -468,7 +468,7 @@ class ServerRequests:
         return all(item.finish_reason is not None for key, item in self.pending.items()
                    if key[0] == step)
 
-    def idle_metrics(self) -> dict[str, float]:
+    def rollout_metrics(self) -> dict[str, float]:
         """``timing/server_idle_frac``: the share of the time since the last call in which
         no request of this trainer was running on the servers."""
         return {"timing/server_idle_frac": self.engine.idle.fraction()}
@@ -756,9 +756,9 @@ class ServerEngine:
                     group.append(Response(index, token_ids, logprobs, text, finish,
                                           versions=[(v, e - s) for v, s, e in spans if e > s]))
                 local.append(group)
-        return self._all_gather(local, len(prompts))
+        return self.all_gather(local, len(prompts))
 
-    def _all_gather(self, local: list[list[Response]], num_prompts: int
+    def all_gather(self, local: list[list[Response]], num_prompts: int
                     ) -> list[list[Response]]:
         if self.gather_group is None:
             return local

@@ -55,7 +55,7 @@ def _exchange(tp: int) -> dict:
     engine.__dict__.update(rank=rank, tp_size=tp, dp_size=world // tp,
                            gather_group=distributed.rollout_group())
     sent = len(pickle.dumps(local))
-    merged = engine._all_gather(local, RESPONSES_PER_REPLICA * world // tp)
+    merged = engine.all_gather(local, RESPONSES_PER_REPLICA * world // tp)
     gathered_bytes = len(pickle.dumps(merged))
     seqs = [Sample(g, r.token_ids, "", "fresh", routing=r.routing, routing_key=r.routing_key)
             for g, group in enumerate(merged) for r in group]
@@ -96,7 +96,7 @@ def lost_table(out: str) -> None:
     engine = RolloutEngine.__new__(RolloutEngine)
     engine.__dict__.update(rank=rank, tp_size=1, dp_size=world,
                            gather_group=distributed.rollout_group())
-    merged = engine._all_gather(local, 2 * world)
+    merged = engine.all_gather(local, 2 * world)
     seqs = [Sample(g, r.token_ids, "", "fresh", routing_key=r.routing_key)
             for g, group in enumerate(merged) for r in group]
     if rank == 0:

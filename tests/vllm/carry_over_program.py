@@ -20,14 +20,13 @@ def main(model_a: str, model_b: str, out_path: str) -> None:
     torch.distributed.init_process_group("gloo")
     from rlep_megatron.config import RolloutConfig
     from rlep_megatron.rollout.engine import RolloutEngine
-    from rlep_megatron.rollout.requests import EngineRequests
 
     cfg = RolloutConfig(num_samples_per_prompt=2, max_response_tokens=24)
     engine = RolloutEngine(model_a, cfg, dtype="float32", max_model_len=128, seed=0)
     weights = {name: load_file(os.path.join(path, "model.safetensors"))
                for name, path in (("a", model_a), ("b", model_b))}
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14]]
-    requests = EngineRequests(engine, cfg)
+    requests = engine.requests(cfg)
     out = {}
     for phase, (carry_over, before, after, version) in enumerate(
             [("resume", "a", "b", 1), ("restart", "b", "a", 2)]):
