@@ -228,6 +228,13 @@ def sequence_parallel() -> bool:
     return _SEQUENCE_PARALLEL
 
 
+def set_sequence_parallel(value: bool) -> None:
+    """Set what :func:`sequence_parallel` answers (``rlep plan`` restores it after building
+    each pipeline stage's skeleton)."""
+    global _SEQUENCE_PARALLEL
+    _SEQUENCE_PARALLEL = value
+
+
 def init_model_parallel(parallel: ParallelConfig, seed: int,
                         num_attention_heads: Optional[int] = None,
                         num_query_groups: Optional[int] = None,

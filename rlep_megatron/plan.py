@@ -185,7 +185,7 @@ def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams
         rank = stage * (gpus // par.pipeline_model_parallel_size)
         torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank,
                                              world_size=gpus)
-        saved_sp = distributed._SEQUENCE_PARALLEL
+        saved_sp = distributed.sequence_parallel()
         try:
             distributed.initialize_megatron_groups(par, gloo_groups=False)
             if ps.get_pipeline_model_parallel_rank() != stage:
@@ -204,7 +204,7 @@ def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams
                 counted.expert_chunks.append(expert)
             stages.append(counted)
         finally:
-            distributed._SEQUENCE_PARALLEL = saved_sp
+            distributed.set_sequence_parallel(saved_sp)
             ps.destroy_model_parallel()
             torch.distributed.destroy_process_group()
     return stages

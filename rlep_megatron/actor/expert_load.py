@@ -47,13 +47,13 @@ class ExpertLoad:
         self._handles: list = []
 
     def __enter__(self) -> "ExpertLoad":
-        routing._EXPERT_LOAD = self
+        routing.count_expert_load(self)
         self._handles = [router.register_forward_hook(self._hook(layer))
                          for layer, router in self.routers]
         return self
 
     def __exit__(self, *_exc) -> None:
-        routing._EXPERT_LOAD = None
+        routing.count_expert_load(None)
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -61,7 +61,7 @@ def fit_to_schedule(groups: list[list[int]], chunks: list[torch.nn.Module]) -> l
     return [rows[bounds[i]:bounds[i + 1]] for i in range(target)]
 
 
-def _no_ones(batch: dict) -> dict:
+def no_ones(batch: dict) -> dict:
     """A copy of a micro-batch whose tokens are no one's (routing, expert counts)."""
     return {**batch, "route_rows": torch.full_like(batch["route_rows"], -1),
             "route_cols": torch.full_like(batch["route_cols"], -1)}
@@ -146,7 +146,7 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
         shape = {"seq_length": max(widths), "micro_batch_size": max(len(g) for g in groups)}
 
     # results of micro-batches past len(groups) (fillers) are not read
-    batches = match_expert_parallel_count(batches, chunks, _no_ones(batches[0]))
+    batches = match_expert_parallel_count(batches, chunks, no_ones(batches[0]))
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)

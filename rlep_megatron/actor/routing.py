@@ -44,6 +44,15 @@ from typing import Optional
 import torch
 
 _EXPERT_LOAD = None  # the counting ExpertLoad, if any (actor/expert_load.py)
+
+
+def count_expert_load(load) -> None:
+    """The :class:`~rlep_megatron.actor.expert_load.ExpertLoad` that counts the routers' choices
+    from now on (``None``: none)."""
+    global _EXPERT_LOAD
+    _EXPERT_LOAD = load
+
+
 _REPLAY: Optional["RoutingReplay"] = None  # the recording / replaying RoutingReplay, if any
 
 

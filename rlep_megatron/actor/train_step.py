@@ -20,7 +20,7 @@ from rlep_megatron import distributed
 from rlep_megatron.actor import packing
 from rlep_megatron.actor import routing
 from rlep_megatron.actor.expert_load import router_loss_metrics
-from rlep_megatron.actor.forward import _no_ones, fit_to_schedule, match_expert_parallel_count
+from rlep_megatron.actor.forward import no_ones, fit_to_schedule, match_expert_parallel_count
 from rlep_megatron.actor.logprob import next_token_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 from rlep_megatron.actor.optimizer import ActorOptimizer
@@ -184,7 +184,7 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
         mb["padding_mask"] = mb["route_rows"] < 0
     # the same number of micro-batches on every EP rank; a filler trains no token
     micro_batches = match_expert_parallel_count(
-        micro_batches, chunks, {**_no_ones(micro_batches[0]),
+        micro_batches, chunks, {**no_ones(micro_batches[0]),
                                 "response_mask": torch.zeros_like(micro_batches[0]["response_mask"])})
     # token slots the model really processes (padded rows and columns, or the packs' fill)
     counts = global_counts(batch, sum(int(mb["input_ids"].numel()) for mb in micro_batches))

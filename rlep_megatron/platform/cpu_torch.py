@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from rlep_megatron.platform.gloo import _GlooDistributed
+from rlep_megatron.platform.gloo import GlooDistributed
 
 
 class _NullStream:
@@ -147,13 +147,13 @@ _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "ra
               "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor", "linspace")
 
 
-class _TorchProxy(types.ModuleType):
+class TorchProxy(types.ModuleType):
     """``torch`` as seen by megatron-core modules on CPU."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = _CpuCudaNamespace()
-        self.distributed = _GlooDistributed()
+        self.distributed = GlooDistributed()
         for name in _FACTORIES:
             setattr(self, name, _factory_on_cpu(getattr(torch, name)))
 
@@ -209,11 +209,11 @@ class CpuRNGStatesTracker:
 # (module, class, method) of megatron code that moves tensors with ``tensor.cuda()``.
 
 
-def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+def cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
     """megatron's ``_get_cuda_rng_state`` on CPU: every random op runs on the CPU generator."""
     return torch.get_rng_state()
 
 
-def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+def cpu_set_rng_state(new_state, device=-1, graph_safe=False):
     """megatron's ``_set_cuda_rng_state`` on CPU (activation recomputation restores it)."""
     torch.set_rng_state(new_state)

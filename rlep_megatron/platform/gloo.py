@@ -7,7 +7,7 @@ import types
 import torch
 
 
-class _GlooDistributed(types.ModuleType):
+class GlooDistributed(types.ModuleType):
     """``torch.distributed`` as seen by megatron-core modules on CPU: gloo's list all-gather
     needs equal sizes and gloo has no list reduce-scatter, while megatron's MoE token
     dispatcher gathers and reduce-scatters uneven per-rank token counts over the
@@ -44,7 +44,7 @@ class _GlooDistributed(types.ModuleType):
         return _DoneWork() if async_op else None
 
 
-def _gloo_reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+def gloo_reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
     """``reduce_scatter_tensor`` for gloo, which lacks it: all-reduce a copy, keep this rank's
     equal slice. Used by megatron's distributed optimizer to reduce-scatter gradient buckets."""
     import torch.distributed as dist
@@ -59,7 +59,7 @@ def _gloo_reduce_scatter_tensor(output, input, op=None, group=None, async_op=Fal
     return _DoneWork() if async_op else None
 
 
-def _gloo_all_gather_into_tensor(output, input, group=None, async_op=False):
+def gloo_all_gather_into_tensor(output, input, group=None, async_op=False):
     """``all_gather_into_tensor`` through gloo's list all-gather into views of ``output``
     (the distributed optimizer gathers updated parameter shards this way)."""
     import torch.distributed as dist
@@ -81,7 +81,7 @@ class _DoneWork:
 
 
 @contextlib.contextmanager
-def _no_coalescing(*_args, async_ops: bool = False, **_kwargs):
+def no_coalescing(*_args, async_ops: bool = False, **_kwargs):
     """``torch.distributed._coalescing_manager`` without coalescing: gloo runs each collective
     as issued. Inside the block every ``all_reduce`` runs synchronously (the overlapped
     gradient reduction asks for asynchronous ones and waits on the block's handle, not on

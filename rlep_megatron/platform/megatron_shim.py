@@ -38,10 +38,10 @@ import sys
 
 import torch
 
-from rlep_megatron.platform.cpu_torch import (CpuRNGStatesTracker, _TorchProxy,
-                                             _cpu_get_rng_state, _cpu_set_rng_state)
-from rlep_megatron.platform.gloo import (_gloo_all_gather_into_tensor,
-                                        _gloo_reduce_scatter_tensor, _no_coalescing)
+from rlep_megatron.platform.cpu_torch import (CpuRNGStatesTracker, TorchProxy,
+                                             cpu_get_rng_state, cpu_set_rng_state)
+from rlep_megatron.platform.gloo import (gloo_all_gather_into_tensor,
+                                        gloo_reduce_scatter_tensor, no_coalescing)
 from rlep_megatron.platform import probe
 
 logger = logging.getLogger(__name__)
@@ -207,16 +207,16 @@ _CPU_FUNCTIONS = (
       "megatron.core.models.common.embeddings.rotary_pos_embedding"),
      "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank),
     (("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings"),
-     "dist_reduce_scatter_func", _gloo_reduce_scatter_tensor),
+     "dist_reduce_scatter_func", gloo_reduce_scatter_tensor),
     (("megatron.core.distributed.param_and_grad_buffer", "megatron.core.tensor_parallel.mappings"),
-     "dist_all_gather_func", _gloo_all_gather_into_tensor),
+     "dist_all_gather_func", gloo_all_gather_into_tensor),
     (("megatron.core.distributed.param_and_grad_buffer",), "_coalescing_manager",
-     _no_coalescing),
+     no_coalescing),
     (("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer",
       "megatron.core.optimizer.distrib_optimizer"), "clip_grad_by_total_norm_fp32",
      _cpu_clip_grad_by_total_norm_fp32),
-    (("megatron.core.tensor_parallel.random",), "_get_cuda_rng_state", _cpu_get_rng_state),
-    (("megatron.core.tensor_parallel.random",), "_set_cuda_rng_state", _cpu_set_rng_state),
+    (("megatron.core.tensor_parallel.random",), "_get_cuda_rng_state", cpu_get_rng_state),
+    (("megatron.core.tensor_parallel.random",), "_set_cuda_rng_state", cpu_set_rng_state),
     (("megatron.core.transformer.moe.token_dispatcher",), "maybe_move_tensor_to_cpu",
      _cpu_move_tensor_to_cpu),
 )
@@ -248,7 +248,7 @@ def install_megatron_cpu_shim() -> bool:
         return False
     if _SHIM_INSTALLED:
         return True
-    proxy = _TorchProxy()
+    proxy = TorchProxy()
     patched = 0
     for module in _megatron_modules():
         if getattr(module, "torch", None) is torch:

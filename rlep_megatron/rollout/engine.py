@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -33,36 +32,13 @@ import torch
 
 from rlep_megatron import platform
 from rlep_megatron.config import RolloutConfig
+from rlep_megatron.rollout.response import Response, decode_response  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 
 class StaleWeightsError(RuntimeError):
     """The engine's weights are not a complete copy of any policy (a sync failed midway)."""
-
-
-@dataclass
-class Response:
-    """One sampled response."""
-
-    prompt_index: int            # index into the prompt list given to ``generate``
-    token_ids: list[int]         # includes the EOS token when the response stopped on it
-    logprobs: list[float]        # vLLM's log-prob of each sampled token (at the temperature)
-    text: str
-    finish_reason: str           # "stop" (EOS / stop token) or "length"
-    routing: Optional[np.ndarray] = None
-    """Mixture-of-experts engines with routing capture: ``[prompt + response, layers, k]``
-    expert ids per position (-1: none; :mod:`rlep_megatron.rollout.routing_capture`)."""
-    versions: list[tuple[int, int]] = field(default_factory=list)
-    """``(policy version, number of tokens)`` spans over ``token_ids``, in order: which weights
-    sampled each token (set by the scheduler that drove the engine)."""
-    routing_key: Optional[tuple[int, int]] = None
-    """Where ``routing`` went when several replicas gathered their responses: ``(rank, key)``
-    of the rank that holds it (:mod:`rlep_megatron.actor.routing_store`)."""
-
-    @property
-    def length(self) -> int:
-        return len(self.token_ids)
 
 
 _SEED_SPAN = 2 ** 30
@@ -496,30 +472,6 @@ def merge_gathered(gathered: list, num_prompts: int) -> list[list[Response]]:
     return merged
 
 
-_CONTEXT_TOKENS = 8
-
-
-def _decode_response(tokenizer, prompt: list[int], token_ids: list[int]) -> str:
-    """The response's text as vLLM's detokenizer gives it: decoded after the prompt's last
-    tokens (a tokenizer whose decoder drops the leading space of a text's first word, as
-    SentencePiece's does, keeps the space a response starts with), special tokens skipped, no
-    clean-up of spaces, and the bytes of a character the response ends inside (byte-level tokens
-    cut by the length budget) not shown as a replacement character."""
-    def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True,
-                                clean_up_tokenization_spaces=False)
-
-    context = list(prompt[max(0, len(prompt) - _CONTEXT_TOKENS):])
-    text = None
-    if context:
-        prefix, full = decode(context), decode(context + token_ids)
-        if full.startswith(prefix):
-            text = full[len(prefix):]
-    if text is None:
-        text = decode(token_ids)
-    return text.rstrip("\ufffd")
-
-
 def _response(index: int, completion, tokenizer, routing=None,
               prompt: Sequence[int] = ()) -> Response:
     token_ids = list(completion.token_ids)
@@ -532,7 +484,7 @@ def _response(index: int, completion, tokenizer, routing=None,
     finish_reason = completion.finish_reason or "length"
     # the token that stopped the response (EOS or a stop token id, included in token_ids) is
     # not part of vLLM's text, special or not
-    text = _decode_response(tokenizer, list(prompt),
+    text = decode_response(tokenizer, list(prompt),
                             token_ids[:-1] if finish_reason == "stop" else token_ids)
     if routing is not None:
         # one row per position of prompt + response: an engine that schedules one more

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from rlep_megatron import faults
-from rlep_megatron.rollout.engine import Response, _decode_response
+from rlep_megatron.rollout.response import Response, decode_response
 
 
 @dataclass
@@ -174,7 +174,7 @@ def take_finished(pending: dict, step: int, tokenizer) -> list[list[Response]]:
     for key in keys:
         item = pending.pop(key)
         stop = item.finish_reason == "stop"
-        text = _decode_response(tokenizer, item.prompt,
+        text = decode_response(tokenizer, item.prompt,
                                 item.token_ids[:-1] if stop else item.token_ids)
         groups.setdefault(key[1], []).append(
             Response(key[1], item.token_ids, item.logprobs, text,

@@ -44,9 +44,9 @@ from typing import Callable, Optional
 
 import torch
 
-from rlep_megatron.rollout.engine import (Response, _decode_response, merge_gathered,
-                                         request_seed)
+from rlep_megatron.rollout.engine import merge_gathered, request_seed
 from rlep_megatron.rollout.requests import Pending, continuation_seed, take_finished
+from rlep_megatron.rollout.response import Response, decode_response
 from rlep_megatron.rollout.server_weights import (ServerWeights, advertised_address,
                                                   count_tensors)
 
@@ -197,7 +197,7 @@ class ServerClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, path: str, **kwargs):
+    def call(self, method: str, path: str, **kwargs):
         import requests
 
         try:
@@ -220,32 +220,32 @@ class ServerClient:
             return False
 
     def world_size(self) -> int:
-        return int(self._call("GET", "/get_world_size")["world_size"])
+        return int(self.call("GET", "/get_world_size")["world_size"])
 
     def pause(self, mode: str) -> None:
-        self._call("POST", "/pause", params={"mode": mode})
+        self.call("POST", "/pause", params={"mode": mode})
 
     def abort_all(self) -> None:
         """Abort every request the server holds, queued ones included."""
-        self._call("POST", "/abort_requests", json={})
+        self.call("POST", "/abort_requests", json={})
 
     def resume(self) -> None:
-        self._call("POST", "/resume")
+        self.call("POST", "/resume")
 
     def reset_prefix_cache(self) -> None:
-        self._call("POST", "/reset_prefix_cache")
+        self.call("POST", "/reset_prefix_cache")
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+        self.call("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self._call("POST", "/start_weight_update")
+        self.call("POST", "/start_weight_update")
 
     def update_weights(self, update_info) -> None:
-        self._call("POST", "/update_weights", json={"update_info": update_info})
+        self.call("POST", "/update_weights", json={"update_info": update_info})
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self._call("POST", "/finish_weight_update",
+        self.call("POST", "/finish_weight_update",
                    json=None if weight_version is None else {"weight_version": weight_version})
 
 
@@ -303,7 +303,7 @@ class FanOutClient:
         self._each(lambda c, i: c.reset_prefix_cache())
 
     def update_weight_version(self, version: str) -> None:
-        self._each(lambda c, i: c._call("POST", "/update_weight_version",
+        self._each(lambda c, i: c.call("POST", "/update_weight_version",
                                         json={"new_version": version}))
 
 
@@ -751,7 +751,7 @@ class ServerEngine:
                 for j in range(n):
                     token_ids, logprobs, spans, finish = outputs[(index, j)]
                     finish = finish or "length"
-                    text = _decode_response(self.tokenizer, list(prompts[index]),
+                    text = decode_response(self.tokenizer, list(prompts[index]),
                                             token_ids[:-1] if finish == "stop" else token_ids)
                     group.append(Response(index, token_ids, logprobs, text, finish,
                                           versions=[(v, e - s) for v, s, e in spans if e > s]))
@@ -816,8 +816,8 @@ class ServerEngine:
         self.health.closed.set()
         for client in self.clients.clients:
             with contextlib.suppress(Exception):
-                client._call("POST", "/abort_requests", json={}, timeout=5)
-                client._call("POST", "/resume", timeout=5)
+                client.call("POST", "/abort_requests", json={}, timeout=5)
+                client.call("POST", "/resume", timeout=5)
 
     def shutdown(self) -> None:
         if self.clients is not None:

@@ -148,14 +148,14 @@ class ServerWeights:
             self.transfer.shutdown()
         for client in self.clients.clients:
             with contextlib.suppress(Exception):
-                client._call("POST", "/shutdown_weight_transfer_engine", timeout=10)
+                client.call("POST", "/shutdown_weight_transfer_engine", timeout=10)
 
 
 def plan_source(source, streamer) -> None:
     """Give ``source`` (:func:`stream_source`) the plan of ``streamer``'s tensors."""
-    from rlep_megatron.weight_sync.streamer import _DTYPES
+    from rlep_megatron.weight_sync.streamer import DTYPES
 
-    source.plan = [(o.name, _DTYPES[e.dtype], tuple(o.shape))
+    source.plan = [(o.name, DTYPES[e.dtype], tuple(o.shape))
                    for b in streamer.buckets for e in b.entries for o in e.all_outputs]
 
 

@@ -32,7 +32,7 @@ from rlep_megatron import distributed
 from rlep_megatron.models.megatron import ActorModelInfo, iter_params_with_rules, unwrap
 from rlep_megatron.models import architecture_for, layout
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class RuleEntry:
 
     @property
     def nbytes(self) -> int:
-        return sum(o.numel for o in self.all_outputs) * _DTYPES[self.dtype].itemsize
+        return sum(o.numel for o in self.all_outputs) * DTYPES[self.dtype].itemsize
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class WeightStreamer:
 
     def _gather_bucket(self, bucket: Bucket) -> list[torch.Tensor]:
         """The owner stage's HF tensors of a bucket (collective over the TP group)."""
-        dtype = _DTYPES[bucket.dtype]
+        dtype = DTYPES[bucket.dtype]
         split = [e for e in bucket.entries if e.tp_split]
         gathered: dict[int, list[torch.Tensor]] = {}
         if split:
@@ -240,7 +240,7 @@ class WeightStreamer:
                 for spec, tensor in zip(specs, self._gather_bucket(bucket)):
                     yield spec.name, tensor
                 continue
-            flat = torch.empty(sum(s.numel for s in specs), dtype=_DTYPES[bucket.dtype],
+            flat = torch.empty(sum(s.numel for s in specs), dtype=DTYPES[bucket.dtype],
                                device=device)
             pieces = torch.split(flat, [s.numel for s in specs])
             if bucket.stage == self._pp_rank:
