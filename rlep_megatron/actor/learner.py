@@ -266,6 +266,6 @@ class LearningSide:
             self.restore_train_state()
             result = action()
             self.offload_train_state_now()
-        if resync and self.engine.stale:
+        if resync and self.engine.weights_incomplete:
             self.weight_sync()
         return result

@@ -72,7 +72,7 @@ class InferenceEngine(Protocol):
 
     # ---------------------------------------------------------------- weights
     @property
-    def stale(self) -> bool:
+    def weights_incomplete(self) -> bool:
         """True while a weight update has begun and not completed."""
 
     def plan_weights(self, streamer) -> None:

@@ -37,7 +37,7 @@ from rlep_megatron.rollout.response import Response, decode_response  # noqa: F4
 logger = logging.getLogger(__name__)
 
 
-class StaleWeightsError(RuntimeError):
+class IncompleteWeightsError(RuntimeError):
     """The engine's weights are not a complete copy of any policy (a sync failed midway)."""
 
 
@@ -207,7 +207,7 @@ class RolloutEngine:
 
         self.gather_group = distributed.rollout_group(cfg.gather_timeout_minutes)
         self.sleep_enabled = cfg.enable_sleep_mode and platform.cuda_available()
-        self._stale_reason: Optional[str] = None if load_weights else (
+        self._incomplete_reason: Optional[str] = None if load_weights else (
             "it was started with dummy weights and no weight sync has completed yet")
         self._asleep = False
         self._kv_cache_asleep = False
@@ -309,10 +309,10 @@ class RolloutEngine:
 
     def check_ready(self) -> None:
         """Refuse to generate from stale or released weights; bring the KV cache back."""
-        if self._stale_reason is not None:
-            raise StaleWeightsError(
-                f"refusing to generate: the engine's weights are stale because "
-                f"{self._stale_reason}. Run a complete weight sync first.")
+        if self._incomplete_reason is not None:
+            raise IncompleteWeightsError(
+                f"refusing to generate: the engine's weights are incomplete because "
+                f"{self._incomplete_reason}. Run a complete weight sync first.")
         if self._asleep:
             raise RuntimeError("refusing to generate: the engine is asleep (call wake_up)")
         self._wake_kv_cache()
@@ -377,8 +377,8 @@ class RolloutEngine:
     # ------------------------------------------------------------------ weights
 
     @property
-    def stale(self) -> bool:
-        return self._stale_reason is not None
+    def weights_incomplete(self) -> bool:
+        return self._incomplete_reason is not None
 
     def plan_weights(self, streamer) -> None:
         """Nothing to plan: each update reloads the tensors that arrive."""
@@ -396,17 +396,17 @@ class RolloutEngine:
                 count["bytes"] += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        self._stale_reason = "a weight sync was started and has not completed"
+        self._incomplete_reason = "a weight sync was started and has not completed"
         started = time.perf_counter()
         try:
             self.llm.collective_rpc("rlep_reload_weights", args=(counted(),))
         except BaseException as err:
-            self._stale_reason = (f"the last weight sync failed after {count['tensors']} "
+            self._incomplete_reason = (f"the last weight sync failed after {count['tensors']} "
                                   f"tensors with {type(err).__name__}: {err}")
             raise
         # cached prefixes were computed with the old weights
         self.llm.reset_prefix_cache()
-        self._stale_reason = None
+        self._incomplete_reason = None
         return {"tensors": count["tensors"], "bytes": count["bytes"],
                 "seconds": time.perf_counter() - started}
 
@@ -429,7 +429,7 @@ class RolloutEngine:
             return
         self.llm.sleep(level=2)
         self._asleep = True
-        self._stale_reason = "it slept (weights released) and has not been synced since"
+        self._incomplete_reason = "it slept (weights released) and has not been synced since"
 
     def wake_up(self) -> None:
         """Staged: the weights' memory comes back now, for the weight sync; the KV cache only

@@ -604,7 +604,7 @@ class ServerEngine:
         self.gather_group = distributed.rollout_group(cfg.gather_timeout_minutes) if multi else None
         self.tokenizer = get_tokenizer(model_dir)  # the tokenizer vLLM's engines use
         self.eos_token_id = self.tokenizer.eos_token_id
-        self._stale_reason: Optional[str] = (
+        self._incomplete_reason: Optional[str] = (
             "the servers start with dummy weights and no weight sync has completed yet")
         self.clients = self.health = self.weights = self._loop = None
         self.epoch = 0  # weight updates begun: a request not sent before one is not sent
@@ -656,12 +656,12 @@ class ServerEngine:
         return ServerRequests(self, cfg)
 
     def check_ready(self) -> None:
-        from rlep_megatron.rollout.engine import StaleWeightsError
+        from rlep_megatron.rollout.engine import IncompleteWeightsError
 
-        if self._stale_reason is not None:
-            raise StaleWeightsError(f"refusing to generate: the rollout servers' weights are "
-                                    f"stale because {self._stale_reason}. Run a complete "
-                                    f"weight sync first.")
+        if self._incomplete_reason is not None:
+            raise IncompleteWeightsError(
+                f"refusing to generate: the rollout servers' weights are incomplete because "
+                f"{self._incomplete_reason}. Run a complete weight sync first.")
 
     def _post(self, server: int, request_id: str, token_ids: list[int], max_tokens: int,
               seed: int, version: int, results: "queue.Queue", *, temperature=None,
@@ -770,8 +770,8 @@ class ServerEngine:
     # ------------------------------------------------------------------ weights
 
     @property
-    def stale(self) -> bool:
-        return self._stale_reason is not None
+    def weights_incomplete(self) -> bool:
+        return self._incomplete_reason is not None
 
     def plan_weights(self, streamer) -> None:
         if self.weights is not None:
@@ -781,7 +781,7 @@ class ServerEngine:
         """One weight update of every server from ``(hf_name, full tensor)`` pairs (every
         trainer rank walks the same stream: its gathers are collectives; rank 0 sends), the
         servers' weight version set to ``version``, their prefix caches reset."""
-        self._stale_reason = "a weight sync was started and has not completed"
+        self._incomplete_reason = "a weight sync was started and has not completed"
         started = time.perf_counter()
         if self.weights is not None:
             count = self.weights.send(weights, None if version is None else str(version))
@@ -789,7 +789,7 @@ class ServerEngine:
             count = {"tensors": 0, "bytes": 0}
             for _ in count_tensors(weights, count):
                 pass
-        self._stale_reason = None
+        self._incomplete_reason = None
         return {**count, "seconds": time.perf_counter() - started}
 
     # ------------------------------------------------------------------ the colocated engine's

@@ -186,7 +186,7 @@ def fake_engine(calls):
     engine = object.__new__(RolloutEngine)
     engine.__dict__.update(cfg=RolloutConfig(), rank=0, tp_size=1, dp_size=1, dp_rank=0,
                            sleep_enabled=True, _asleep=False, _kv_cache_asleep=False,
-                           _stale_reason="started with dummy weights", llm=FakeVLLM(calls),
+                           _incomplete_reason="started with dummy weights", llm=FakeVLLM(calls),
                            eos_token_id=0)
     return engine
 
@@ -195,7 +195,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     """``optim.offload_during_rollout``: the checkpoint needs the optimizer state back on the
     GPU, so it comes back only while the engine sleeps and leaves again before the engine
     wakes; that sleep discards the engine's weights, so the weights are synced again before
-    the next step's rollout (before, the second step raised StaleWeightsError)."""
+    the next step's rollout (before, the second step raised IncompleteWeightsError)."""
     import types
 
     from rlep_megatron.actor.learner import LearningSide
@@ -242,7 +242,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     assert calls == [sleep, "restore", "resume?", "offload", wake, "weights synced",
                      "engine wakes ['kv_cache']", *one_step, *checkpoint,
                      "engine wakes ['kv_cache']", *one_step, *checkpoint]
-    assert learner._train_state_offloaded and not engine.stale
+    assert learner._train_state_offloaded and not engine.weights_incomplete
 
 
 @pytest.mark.parametrize("decay", ["linear", "cosine"])

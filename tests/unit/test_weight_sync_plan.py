@@ -78,7 +78,7 @@ def test_logprob_abs_diff_rejects_misaligned_input():
 def test_wake_up_is_staged_weights_then_sync_then_kv_cache():
     """GPU sleep mode, with vLLM's LLM faked: waking brings the weights back for the sync, and
     the KV cache only when generation needs it (vLLM resumes scheduling once both are back)."""
-    from rlep_megatron.rollout.engine import RolloutEngine, StaleWeightsError
+    from rlep_megatron.rollout.engine import IncompleteWeightsError, RolloutEngine
 
     calls = []
 
@@ -92,16 +92,16 @@ def test_wake_up_is_staged_weights_then_sync_then_kv_cache():
     engine = RolloutEngine.__new__(RolloutEngine)
     engine.llm, engine.sleep_enabled = FakeLLM(), True
     engine._asleep = engine._kv_cache_asleep = False
-    engine._stale_reason = None
+    engine._incomplete_reason = None
     with engine.released():
         assert engine.memory_state() == "asleep"
-        with pytest.raises(StaleWeightsError, match="slept"):  # weights released
+        with pytest.raises(IncompleteWeightsError, match="slept"):  # weights released
             engine.generate([[1, 2]])
     assert calls == [("sleep", 2), ("wake_up", ["weights"])]
     assert engine.memory_state() == "weights only"
-    with pytest.raises(StaleWeightsError, match="slept"):  # a sync must come first
+    with pytest.raises(IncompleteWeightsError, match="slept"):  # a sync must come first
         engine.generate([[1, 2]])
-    engine._stale_reason = None  # what a completed weight sync does
+    engine._incomplete_reason = None  # what a completed weight sync does
     engine._wake_kv_cache()  # the first step of generate
     assert calls[-1] == ("wake_up", ["kv_cache"]) and engine.memory_state() == "awake"
     engine._wake_kv_cache()

@@ -22,7 +22,7 @@ from rlep_megatron.actor.train_step import TrainBatch, train_mini_batch
 from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.config import AlgoConfig, OptimConfig, ParallelConfig, RolloutConfig
 from rlep_megatron.models import layout_limits, num_experts
-from rlep_megatron.rollout import RolloutEngine, StaleWeightsError
+from rlep_megatron.rollout import IncompleteWeightsError, RolloutEngine
 from rlep_megatron.actor.forward import actor_logprobs_everywhere
 from rlep_megatron.rollout.parity import probe
 from rlep_megatron.weight_sync import WeightStreamer, sync_weights
@@ -256,9 +256,9 @@ def main():
                 entry["fail_raised"] = str(err)
             try:
                 engine.generate(prompts, seed=1)
-                entry["stale_refused"] = None
-            except StaleWeightsError as err:
-                entry["stale_refused"] = str(err)
+                entry["incomplete_refused"] = None
+            except IncompleteWeightsError as err:
+                entry["incomplete_refused"] = str(err)
             sync_weights(engine, streamer)
             recovered = engine.generate(prompts, seed=31)
             entry["parity_recovered"] = probe(chunks, info, prompts, recovered, PAD)

@@ -59,7 +59,7 @@ def test_qwen2_rollout_tp2_actor_layouts_and_failed_sync(tmp_path, tiny_qwen2_di
     check_layouts(report, ["1x1", "2x1", "1x2"])
     last = report["layouts"]["1x2"]
     assert last["fail_raised"] == "simulated loss of the weight stream"
-    assert last["stale_refused"] and "last weight sync failed" in last["stale_refused"]
+    assert last["incomplete_refused"] and "last weight sync failed" in last["incomplete_refused"]
     assert last["parity_recovered"]["max"] <= PARITY_TOL
 
 
