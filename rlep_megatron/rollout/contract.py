@@ -7,9 +7,9 @@ rollout engine and on its request driver. Two backends implement it:
   placement), driven by :class:`~rlep_megatron.rollout.server.ServerRequests`.
 
 Callers use these members only, never a probe (``hasattr``) for one backend's extras: where a
-backend has nothing to do (the servers keep their devices, so ``sleep`` is a no-op there; the
-colocated engine needs no weight plan), it implements the member as a no-op. A test checks that
-both backends implement every member.
+backend has nothing to do (the servers keep their devices, so ``released`` is a no-op there;
+the colocated engine needs no weight plan), it implements the member as a no-op. A test checks
+that both backends implement every member.
 """
 from __future__ import annotations
 
@@ -83,13 +83,8 @@ class InferenceEngine(Protocol):
         ``seconds`` of it."""
 
     # ---------------------------------------------------------------- memory
-    def sleep(self) -> None: ...
-
-    def wake_up(self) -> None: ...
-
-    def memory_state(self) -> str: ...
-
     def released(self):
-        """A context in which the engine's device memory is released to training."""
+        """A context in which the engine's device memory is released to training (the
+        colocated engine sleeps for the block, with ``rollout.enable_sleep_mode``)."""
 
     def shutdown(self) -> None: ...

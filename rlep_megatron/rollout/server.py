@@ -792,20 +792,11 @@ class ServerEngine:
         self._incomplete_reason = None
         return {**count, "seconds": time.perf_counter() - started}
 
-    # ------------------------------------------------------------------ the colocated engine's
-    # memory hand-off has nothing to do here: the servers keep their devices
-
-    def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
-
-    def memory_state(self) -> str:
-        return "separate"
+    # ------------------------------------------------------------------ memory
 
     @contextlib.contextmanager
     def released(self):
+        """Nothing to hand over: the servers keep their devices."""
         yield
 
     def release(self) -> None:
