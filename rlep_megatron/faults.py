@@ -91,17 +91,27 @@ def check(phase: str, rank: int, step: Optional[int] = None) -> None:
             kill_rank(wanted[3])
 
 
+def kill_order(me, under_torchrun: bool) -> list:
+    """The processes :func:`kill_job` kills, in order, ``me`` last: under torchrun the launcher
+    first, then every process below it that is not a rank (engines, servers, workers), then the
+    other ranks. Every rank that reaches the point kills: the ranks may kill each other, and
+    only a killing that is first in line reaches everyone else before that can happen (had a
+    rank killed its peer before the launcher, and its peer it, the launcher would see its ranks
+    die and end with an error report, not be killed)."""
+    root = me.parent() if under_torchrun else me
+    ranks = [p for p in root.children() if p.pid != me.pid] if under_torchrun else []
+    below = [p for p in root.children(recursive=True)
+             if p.pid != me.pid and p.pid not in {r.pid for r in ranks}]
+    return [*([root] if under_torchrun else []), *below, *ranks, me]
+
+
 def kill_job() -> None:
     """SIGKILL every process of this job (module doc), this one last."""
     import psutil
 
     me = psutil.Process()
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    root = me.parent() if under_torchrun else me
-    family = [p for p in root.children(recursive=True) if p.pid != me.pid]
-    if under_torchrun:
-        family.append(root)
-    for process in family:
+    *others, _ = kill_order(me, "TORCHELASTIC_RUN_ID" in os.environ)
+    for process in others:
         try:
             process.send_signal(signal.SIGKILL)
         except psutil.Error:

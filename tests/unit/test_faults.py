@@ -86,3 +86,34 @@ def test_kill_at_a_step_kills_the_process_and_its_children(tmp_path):
             break
         assert time.monotonic() < deadline, f"the child is still {state} 30 s after the kill"
         time.sleep(0.05)
+
+
+def test_under_torchrun_the_launcher_dies_first_and_the_peer_ranks_last():
+    """Each rank that reaches a ``kill@`` point kills the job; if two ranks killed each other
+    before either killed the launcher, torchrun would report its ranks' deaths and exit 1.
+    So the launcher comes first, then the processes below it that are not ranks, then the
+    other ranks, this rank last."""
+    from rlep_megatron.faults import kill_order
+
+    class Proc:
+        def __init__(self, pid, children=()):
+            self.pid, self.kids, self.up = pid, list(children), None
+            for child in self.kids:
+                child.up = self
+
+        def parent(self):
+            return self.up
+
+        def children(self, recursive=False):
+            if not recursive:
+                return list(self.kids)
+            return [d for c in self.kids for d in (c, *c.children(recursive=True))]
+
+    engine0, worker1, engine1 = Proc(11), Proc(12), Proc(13)
+    rank0, rank1 = Proc(1, [engine0]), Proc(2, [worker1, engine1])
+    Proc(100, [rank0, rank1])  # the launcher
+    order = [p.pid for p in kill_order(rank1, under_torchrun=True)]
+    assert order == [100, 11, 12, 13, 1, 2]
+    assert [p.pid for p in kill_order(rank0, under_torchrun=True)] == [100, 11, 12, 13, 2, 1]
+    # outside torchrun: the process's own descendants, then itself
+    assert [p.pid for p in kill_order(rank1, under_torchrun=False)] == [12, 13, 2]
