@@ -164,6 +164,18 @@ def test_the_cli_module_imports_no_torch():
     assert out == "[]", out
 
 
+def package_trees(root: str):
+    """``(path relative to root, parsed module)`` of every Python file under ``root``."""
+    import ast
+    import os
+
+    for directory, _, files in os.walk(root):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                yield os.path.relpath(path, root), ast.parse(open(path).read())
+
+
 def underscored_uses(root: str) -> list[str]:
     """Every place in the package under ``root`` that reaches into another of its modules'
     underscored names: ``from rlep_megatron.m import _x``, or ``m._x`` with ``m`` a module of
@@ -176,32 +188,27 @@ def underscored_uses(root: str) -> list[str]:
         return os.path.isdir(path) or os.path.isfile(path + ".py")
 
     found = []
-    for directory, _, files in os.walk(root):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(directory, name)
-            tree = ast.parse(open(path).read())
-            modules = set()  # local names bound to the package's modules
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                        "rlep_megatron"):
-                    for alias in node.names:
-                        if alias.name.startswith("_") and not alias.name.startswith("__"):
-                            found.append(f"{os.path.relpath(path, root)}:{node.lineno} "
-                                         f"imports {node.module}.{alias.name}")
-                        elif is_module(f"{node.module}.{alias.name}"):
-                            modules.add(alias.asname or alias.name)
-                elif isinstance(node, ast.Import):
-                    for alias in node.names:
-                        if alias.name.startswith("rlep_megatron.") and alias.asname:
-                            modules.add(alias.asname)
-            for node in ast.walk(tree):
-                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                        and node.value.id in modules and node.attr.startswith("_")
-                        and not node.attr.startswith("__")):
-                    found.append(f"{os.path.relpath(path, root)}:{node.lineno} "
-                                 f"{node.value.id}.{node.attr}")
+    for rel, tree in package_trees(root):
+        modules = set()  # local names bound to the package's modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "rlep_megatron"):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{rel}:{node.lineno} "
+                                     f"imports {node.module}.{alias.name}")
+                    elif is_module(f"{node.module}.{alias.name}"):
+                        modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("rlep_megatron.") and alias.asname:
+                        modules.add(alias.asname)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{rel}:{node.lineno} "
+                             f"{node.value.id}.{node.attr}")
     return found
 
 

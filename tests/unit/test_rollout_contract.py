@@ -9,6 +9,7 @@ import pytest
 
 import rlep_megatron
 from rlep_megatron.rollout import contract
+from tests.unit.test_imports import package_trees
 
 pytestmark = pytest.mark.unit
 
@@ -59,18 +60,14 @@ def test_no_caller_probes_an_engine_or_a_request_driver():
     member one backend lacks belongs in the contract, as a no-op where it does nothing."""
     root = os.path.dirname(rlep_megatron.__file__)
     probes = []
-    for directory, _, files in os.walk(root):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(directory, name)
-            for node in ast.walk(ast.parse(open(path).read())):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                        and node.func.id in ("hasattr", "getattr") and node.args):
-                    target = ast.unparse(node.args[0]).lower()
-                    if "engine" in target or "requests" in target:
-                        probes.append(f"{os.path.relpath(path, root)}:{node.lineno} "
-                                      f"{ast.unparse(node)}")
+    for rel, tree in package_trees(root):
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("hasattr", "getattr") and node.args):
+                target = ast.unparse(node.args[0]).lower()
+                if "engine" in target or "requests" in target:
+                    probes.append(f"{rel}:{node.lineno} "
+                                  f"{ast.unparse(node)}")
     assert probes == [], probes
 
 
