@@ -402,16 +402,41 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
+    loss: Literal["dapo", "gspo", "cispo"] = "dapo"
+    """The policy loss (:mod:`rlep_megatron.algo.surrogates`): ``dapo``, the paper's token-level
+    clip-higher with dual clip (``clip_ratio_*``); ``gspo``, GSPO's clipped sequence-level ratio
+    averaged over sequences (``gspo_clip_ratio_*``); ``cispo``, CISPO's clipped stop-gradient
+    importance weight on every token's log-prob (``cispo_clip_ratio_*``)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """The advantage estimator over each group of G' responses
+    (:mod:`rlep_megatron.algo.advantages`): ``grpo``, (r - mean) / (std + eps), the paper's
+    (``advantage_normalize_std`` false: r - mean); ``dr_grpo``, r - mean (Dr. GRPO; pair it with
+    ``loss_agg_mode: constant_length``); ``rloo``, r minus the mean of the group's other
+    rewards."""
     clip_ratio_low: float = 0.2
     """eps_low of clip-higher (docs/ALGORITHM.md section 4)."""
     clip_ratio_high: float = 0.28
     """eps_high of clip-higher."""
     clip_ratio_c: float = 10.0
     """Dual-clip constant c for negative advantages."""
-    loss_agg_mode: Literal["global_token_mean", "reference_micro_batch_mean"] = \
-        "global_token_mean"
-    """Exact token mean over the mini-batch across micro-batches and DP ranks, or the reference
-    code's per-micro-batch mean weighted by sequence count."""
+    loss_agg_mode: Literal["global_token_mean", "reference_micro_batch_mean",
+                           "constant_length"] = "global_token_mean"
+    """Exact token mean over the mini-batch across micro-batches and DP ranks, the reference
+    code's per-micro-batch mean weighted by sequence count, or Dr. GRPO's ``constant_length``:
+    the token sum over (sequences x ``loss_constant_length_tokens``). ``gspo`` always averages
+    over sequences and takes only the default here."""
+    loss_constant_length_tokens: Optional[int] = None
+    """The constant length of ``loss_agg_mode: constant_length``; null: the rollout's
+    ``max_response_tokens``."""
+    gspo_clip_ratio_low: float = 3e-4
+    """eps_low of ``loss: gspo`` on the sequence ratio (the GSPO paper's value)."""
+    gspo_clip_ratio_high: float = 4e-4
+    """eps_high of ``loss: gspo`` on the sequence ratio (the GSPO paper's value)."""
+    cispo_clip_ratio_low: Optional[float] = None
+    """``loss: cispo``: the importance weight is clipped below at 1 - this; null: no lower
+    bound (as MiniMax-M1 ran it)."""
+    cispo_clip_ratio_high: float = 0.28
+    """``loss: cispo``: the importance weight is clipped above at 1 + this."""
     advantage_eps: float = 1e-6
     """Added to the group std before dividing."""
     advantage_normalize_std: bool = True
@@ -420,10 +445,12 @@ class AlgoConfig:
     """Coefficient of a KL penalty to a frozen reference policy (the run's initial weights,
     kept with the actor's TP/PP layout, its log-probs computed in the old-log-prob pass);
     0 disables it and no reference model is built (the paper's recipes use 0)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "k3_importance_weighted"] = "k3"
     """Per-token KL estimator of the penalty (Schulman 2020): ``k1`` log r, ``k2`` (log r)^2/2
     (the "mse" of verl), ``k3`` exp(-log r) - 1 + log r (the "low_var_kl" of verl, GRPO's
-    choice), with log r = logp - ref_logp."""
+    choice), with log r = logp - ref_logp; ``k3_importance_weighted``: k3 times pi / pi_old,
+    the gradient through both, whose expected gradient is that of KL(pi || pi_ref) also off
+    policy (plain k3's is the reverse KL's; :func:`rlep_megatron.algo.kl_penalty`)."""
     kl_clamp: Optional[float] = None
     """Clamp each token's KL estimate to [-kl_clamp, kl_clamp] (null: no clamp); verl clamps
     its low-variance KL at 10."""
@@ -495,6 +522,24 @@ class AlgoConfig:
                 f"algo.max_generation_rounds must be >= 1, got {self.max_generation_rounds}")
         if self.kl_coef < 0:
             raise ValueError(f"algo.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.loss == "gspo" and self.loss_agg_mode != "global_token_mean":
+            raise ValueError(f"algo.loss=gspo with algo.loss_agg_mode={self.loss_agg_mode}: GSPO "
+                             "averages over sequences by definition; leave loss_agg_mode at "
+                             "its default")
+        if not 0 <= self.gspo_clip_ratio_low < 1 or self.gspo_clip_ratio_high < 0:
+            raise ValueError("algo.gspo_clip_ratio_low must be in [0, 1) and "
+                             "algo.gspo_clip_ratio_high >= 0, got "
+                             f"{self.gspo_clip_ratio_low} and {self.gspo_clip_ratio_high}")
+        if self.cispo_clip_ratio_low is not None and not 0 <= self.cispo_clip_ratio_low <= 1:
+            raise ValueError("algo.cispo_clip_ratio_low must be in [0, 1] or null (no lower "
+                             f"bound), got {self.cispo_clip_ratio_low}")
+        if self.cispo_clip_ratio_high < 0:
+            raise ValueError(f"algo.cispo_clip_ratio_high must be >= 0, got "
+                             f"{self.cispo_clip_ratio_high}")
+        if self.loss_constant_length_tokens is not None and self.loss_constant_length_tokens < 1:
+            raise ValueError("algo.loss_constant_length_tokens must be >= 1 or null (the "
+                             "rollout's max_response_tokens), got "
+                             f"{self.loss_constant_length_tokens}")
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ValueError(f"algo.kl_clamp must be > 0 or null, got {self.kl_clamp}")
         for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
@@ -783,6 +828,10 @@ class RunConfig:
             raise ValueError(f"trainer.max_staleness={staleness} with algo.dynamic_sampling: "
                              "a step generated ahead cannot know how many rounds it needs; "
                              "use trainer.max_staleness=0 with dynamic sampling")
+        if self.replay.clip_ratio_high is not None and self.algo.loss != "dapo":
+            raise ValueError(f"replay.clip_ratio_high with algo.loss={self.algo.loss}: a "
+                             "separate eps_high for replays is a token-level clip of the dapo "
+                             "loss; set replay.clip_ratio_high=null or use algo.loss=dapo")
         if self.rollout.placement == "separate" and self.algo.routing_replay == "rollout":
             raise ValueError("algo.routing_replay=rollout with rollout.placement=separate: a "
                              "vLLM server returns no routing to replay; use "

@@ -128,12 +128,11 @@ class LearningSide:
     # ------------------------------------------------------------------ phases
 
     def advantage(self, batch: StepBatch) -> None:
-        from rlep_megatron.algo import group_advantages
+        from rlep_megatron.algo import estimator_from_config
 
         rewards = torch.tensor([s.reward for s in batch.sequences], dtype=torch.float64)
         groups = [s.group for s in batch.sequences]
-        values = group_advantages(rewards, groups, eps=self.cfg.algo.advantage_eps,
-                                  normalize_std=self.cfg.algo.advantage_normalize_std)
+        values = estimator_from_config(self.cfg.algo)(rewards, groups)
         for seq, value in zip(batch.sequences, values.tolist()):
             seq.advantage = value
 
@@ -222,7 +221,8 @@ class LearningSide:
                                     temperature=cfg.rollout.temperature,
                                     replay_clip_high=cfg.replay.clip_ratio_high,
                                     sequence_packing=cfg.trainer.sequence_packing,
-                                    routing_replay=self.routing_replay)
+                                    routing_replay=self.routing_replay,
+                                    constant_length_tokens=cfg.rollout.max_response_tokens)
                    for tb in train_batches]
         # the weight sync and checkpoints read the weights outside a forward pass
         self.optimizer.gather_params(self.chunks)

@@ -24,7 +24,7 @@ from rlep_megatron.actor.forward import no_ones, fit_to_schedule, match_expert_p
 from rlep_megatron.actor.logprob import next_token_logprobs
 from rlep_megatron.models.megatron import ActorModelInfo
 from rlep_megatron.actor.optimizer import ActorOptimizer
-from rlep_megatron.algo import policy_loss
+from rlep_megatron.algo import LossBatch, Normaliser, PolicyLoss, loss_from_config
 from rlep_megatron.config import AlgoConfig
 
 
@@ -147,10 +147,13 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
                      micro_batch_max_tokens: int, temperature: float = 1.0,
                      replay_clip_high: Optional[float] = None,
                      sequence_packing: bool = False,
-                     routing_replay: Optional[routing.RoutingReplay] = None) -> dict[str, float]:
-    """Forward/backward over the mini-batch and one optimizer step; returns metrics (same on
-    every rank). With ``batch.ref_logp`` the metrics carry the KL estimators (``kl_k1`` ...,
-    split fresh/replay). ``sequence_packing`` packs the rows into token-balanced micro-batches
+                     routing_replay: Optional[routing.RoutingReplay] = None,
+                     constant_length_tokens: Optional[int] = None) -> dict[str, float]:
+    """Forward/backward over the mini-batch and one optimizer step with the loss ``algo.loss``;
+    returns metrics (same on every rank). With ``batch.ref_logp`` the metrics carry the KL
+    estimators (``kl_k1`` ..., split fresh/replay). ``constant_length_tokens``: the normaliser
+    of ``algo.loss_agg_mode=constant_length`` when ``algo.loss_constant_length_tokens`` is
+    null. ``sequence_packing`` packs the rows into token-balanced micro-batches
     of at most ``micro_batch_max_tokens`` real tokens (actor/packing.py); otherwise
     micro-batches are consecutive rows, padded, within rows x longest <= the budget."""
     from megatron.core import parallel_state as ps
@@ -191,6 +194,9 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     global_tokens, global_sequences = counts["tokens"], counts["sequences"]
     # undo megatron's 1/num_micro_batches (schedule) and 1/DP (DDP gradient averaging)
     compensation = len(micro_batches) * ps.get_data_parallel_world_size()
+    loss_fn = loss_from_config(algo, replay_clip_high)
+    normaliser = Normaliser(algo.loss_agg_mode, global_tokens, global_sequences,
+                            algo.loss_constant_length_tokens or constant_length_tokens)
 
     def forward_step(data_iterator, model):
         mb = {k: v.to(device) for k, v in next(data_iterator).items()}
@@ -211,15 +217,11 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
             logp, entropy = torch.cat([zeros, logp], 1), torch.cat([zeros, entropy], 1)
             if packed:  # back to [rows, columns], like the batch's other tensors
                 logp, entropy = packing.unpack(logp, mb), packing.unpack(entropy, mb)
-            loss, metrics = policy_loss(
-                logp, mb["old_logp"], mb["advantages"], mb["response_mask"],
-                algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c,
-                loss_agg_mode=algo.loss_agg_mode, global_num_tokens=global_tokens,
-                global_num_sequences=global_sequences, is_replay=mb["is_replay"],
-                ref_logp=mb.get("ref_logp"), kl_coef=algo.kl_coef,
-                kl_estimator=algo.kl_estimator, kl_clamp=algo.kl_clamp, entropy=entropy,
-                entropy_coef=algo.entropy_coef, token_weights=mb.get("token_weights"),
-                replay_clip_high=replay_clip_high, metrics_on_device=True)
+            loss, metrics = loss_fn(
+                LossBatch(logp, mb["old_logp"], mb["advantages"], mb["response_mask"],
+                          is_replay=mb["is_replay"], ref_logp=mb.get("ref_logp"),
+                          entropy=entropy, token_weights=mb.get("token_weights")),
+                normaliser, metrics_on_device=True)
             metrics["entropy_sum"] = (entropy.detach() * mb["response_mask"]).sum()
             return loss * compensation, metrics
 
@@ -241,7 +243,7 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     applied, grad_norm = optimizer.step()
     router_losses = router_loss_metrics(chunks[0].config, len(micro_batches))
     metrics = _reduce_metrics(outputs, ps.is_pipeline_last_stage(ignore_virtual=True),
-                              with_kl=batch.ref_logp is not None)
+                              loss_fn, with_kl=batch.ref_logp is not None)
     metrics.update({"grad_norm": grad_norm, "step_applied": float(applied),
                     "lr": optimizer.current_lr(), "num_micro_batches": float(len(groups)),
                     "padding_frac": 1.0 - counts["real_tokens"] / max(counts["token_slots"],
@@ -250,31 +252,22 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     return metrics
 
 
-# Summed over micro-batches and DP ranks as they are: losses already carry the global
-# normaliser, the rest are counts. Every other metric is a token-weighted mean.
-_SUMMED = ("pg_loss", "kl", "entropy_sum", "num_tokens", "num_tokens/fresh", "num_tokens/replay")
-_SPLITS = ("", "/fresh", "/replay")
-_TOKEN_MEANS = tuple(f"{name}{suffix}" for name in ("pg_clipfrac", "ratio_mean", "approx_kl")
-                     for suffix in _SPLITS) + (
-    "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_dual")
-_KL_MEANS = tuple(f"kl_{estimator}{suffix}" for estimator in ("k1", "k2", "k3")
-                  for suffix in _SPLITS)
-
-
 def _token_count_key(key: str) -> str:
     return "num_tokens" + (key[key.index("/"):] if "/" in key else "")
 
 
-def _reduce_metrics(outputs: list[dict], is_last_stage: bool,
+def _reduce_metrics(outputs: list[dict], is_last_stage: bool, loss_fn: PolicyLoss,
                     with_kl: bool = False) -> dict[str, float]:
     """Micro-batch metrics reduced over micro-batches and DP ranks on the last pipeline stage,
-    then broadcast to the whole pipeline. ``kl`` (the penalty term) is 0 when the KL term is
-    off; ``with_kl`` adds the token means of every estimator."""
+    as the loss declares (:meth:`PolicyLoss.metric_reductions`: losses already carry the global
+    normaliser and are summed, like the counts; token means are weighted by their split's token
+    count), then broadcast to the whole pipeline. ``kl`` (the penalty term) is 0 when the KL
+    term is off; ``with_kl`` adds the token means of every estimator."""
     from megatron.core import parallel_state as ps
 
-    token_means = _TOKEN_MEANS + (_KL_MEANS if with_kl else ())
-    keys = _SUMMED + token_means
-    max_keys = tuple(f"ratio_max{suffix}" for suffix in _SPLITS)
+    reductions = {**loss_fn.metric_reductions(with_kl), "entropy_sum": "count"}
+    keys = tuple(k for k, how in reductions.items() if how in ("sum", "count", "token_mean"))
+    max_keys = tuple(k for k, how in reductions.items() if how == "max")
     packed = torch.zeros(len(keys) + len(max_keys), dtype=torch.float64)
     if is_last_stage and outputs:
         # the micro-batches' metrics are tensors where the loss lives: weighted and summed
@@ -284,22 +277,23 @@ def _reduce_metrics(outputs: list[dict], is_last_stage: bool,
         def value(out, key):
             return out[key].to(torch.float64) if key in out else zero
 
-        rows = [torch.stack([value(out, key) * (1.0 if key in _SUMMED else
+        rows = [torch.stack([value(out, key) * (1.0 if reductions[key] != "token_mean" else
                                                 value(out, _token_count_key(key)))
                              for key in keys]) for out in outputs]
         maxima = [torch.stack([value(out, key) for key in max_keys]) for out in outputs]
         packed = torch.cat([torch.stack(rows).sum(0),
                             torch.stack(maxima).max(0).values.clamp(min=0.0)]).cpu()
-    sums, ratio_max = packed[:len(keys)].clone(), packed[len(keys):].clone()
+    sums, maxima = packed[:len(keys)].clone(), packed[len(keys):].clone()
     dp_group = ps.get_data_parallel_group()
     distributed.all_reduce(sums, "sum", dp_group)
-    distributed.all_reduce(ratio_max, "max", dp_group)
-    packed = torch.cat([sums, ratio_max])
+    distributed.all_reduce(maxima, "max", dp_group)
+    packed = torch.cat([sums, maxima])
     distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
                           group=ps.get_pipeline_model_parallel_group())
     values = dict(zip(keys, packed[:len(keys)].tolist()))
-    result = {key: values[key] / max(values[_token_count_key(key)], 1.0) for key in token_means}
-    result.update(pg_loss=values["pg_loss"], kl=values["kl"], num_tokens=values["num_tokens"],
-                  entropy=values["entropy_sum"] / max(values["num_tokens"], 1.0),
-                  **dict(zip(max_keys, packed[len(keys):].tolist())))
+    result = {key: values[key] / max(values[_token_count_key(key)], 1.0)
+              for key in keys if reductions[key] == "token_mean"}
+    result.update({key: values[key] for key in keys if reductions[key] == "sum"})
+    result["entropy"] = values["entropy_sum"] / max(values["num_tokens"], 1.0)
+    result.update(zip(max_keys, packed[len(keys):].tolist()))
     return result

@@ -1,4 +1,8 @@
-"""Group-relative advantages over mixed groups of fresh and replayed responses (paper eq. 5).
+"""Group-relative advantages over mixed groups of fresh and replayed responses (paper eq. 5),
+and the advantage estimators ``algo.advantage`` chooses (``grpo``, ``dr_grpo``, ``rloo``), each a
+small class registered by name. Adding one: a subclass with ``@register_advantage("name")``
+(``from_config`` for its options), the name in ``AlgoConfig.advantage``'s choices, a float64
+test.
 
 Every response of a group, fresh or replayed, counts: RLEP's G' = G + M responses share one
 mean and one standard deviation (docs/ALGORITHM.md section 3, step 6).
@@ -51,3 +55,85 @@ def group_advantages(rewards: torch.Tensor, group_ids: Union[torch.Tensor, Seque
         advantages = centered
     advantages = torch.where(counts[group_index] > 1, advantages, torch.zeros_like(advantages))
     return advantages.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+# ------------------------------------------------------------------ estimators (algo.advantage)
+
+ADVANTAGE_ESTIMATORS: dict[str, type] = {}
+
+
+def register_advantage(name: str):
+    """Class decorator: the estimator ``algo.advantage=<name>`` builds."""
+    def add(cls):
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"an advantage estimator named {name!r} is already registered")
+        cls.name = name
+        ADVANTAGE_ESTIMATORS[name] = cls
+        return cls
+    return add
+
+
+class AdvantageEstimator:
+    """The contract of an advantage estimator: ``[num_responses]`` rewards and group labels
+    (fresh and replayed responses alike) in, one advantage per response out."""
+
+    name = ""
+
+    @classmethod
+    def from_config(cls, algo) -> "AdvantageEstimator":
+        """The estimator with its options read from an ``AlgoConfig``."""
+        return cls()
+
+    def __call__(self, rewards: torch.Tensor,
+                 group_ids: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@register_advantage("grpo")
+class GroupNormalised(AdvantageEstimator):
+    """GRPO (the paper's eq. 5): ``(r - mean_g) / (std_g + eps)`` over the G' responses of the
+    group; ``normalize_std`` false: ``r - mean_g``."""
+
+    def __init__(self, eps: float = 1e-6, normalize_std: bool = True):
+        self.eps, self.normalize_std = eps, normalize_std
+
+    @classmethod
+    def from_config(cls, algo) -> "GroupNormalised":
+        return cls(algo.advantage_eps, algo.advantage_normalize_std)
+
+    def __call__(self, rewards, group_ids):
+        return group_advantages(rewards, group_ids, eps=self.eps,
+                                normalize_std=self.normalize_std)
+
+
+@register_advantage("dr_grpo")
+class GroupCentred(AdvantageEstimator):
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): ``r - mean_g``, no
+    division by the group's std (whose small values inflate nearly-solved and nearly-failed
+    questions). Pair it with ``algo.loss_agg_mode=constant_length``, Dr. GRPO's other half."""
+
+    def __call__(self, rewards, group_ids):
+        return group_advantages(rewards, group_ids, normalize_std=False)
+
+
+@register_advantage("rloo")
+class LeaveOneOut(AdvantageEstimator):
+    """RLOO (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j`` over the group, the baseline of
+    each response the mean of the others' rewards (``= n / (n - 1) x (r_i - mean_g)``); a group
+    of one gets 0."""
+
+    def __call__(self, rewards, group_ids):
+        centred = group_advantages(rewards, group_ids, normalize_std=False)
+        group_ids = torch.as_tensor(group_ids, device=centred.device)
+        _, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+        size = counts[index].to(torch.float64)
+        scale = torch.where(size > 1, size / (size - 1).clamp(min=1), torch.zeros_like(size))
+        return (centred.to(torch.float64) * scale).to(centred.dtype)
+
+
+def estimator_from_config(algo) -> AdvantageEstimator:
+    """The estimator ``algo.advantage`` names (``algo``: an ``AlgoConfig``)."""
+    if algo.advantage not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algo.advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
+                         f"got {algo.advantage!r}")
+    return ADVANTAGE_ESTIMATORS[algo.advantage].from_config(algo)

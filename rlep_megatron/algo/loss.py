@@ -1,8 +1,13 @@
-"""The token-level clipped policy loss of DAPO/RLEP (paper eq. 3/4, docs/ALGORITHM.md section 4).
+"""Policy losses as plug-ins (``algo.loss``, docs/ALGORITHM.md section 4): the contract every
+loss implements, the registry, and the parts every loss shares (aggregation, the KL and entropy
+terms, the metrics).
 
-Per token: ``ratio = exp(logp - old_logp)``; clip-higher
-``L = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` dual-clip
-``L = min(L, -A * clip_c)``.
+A loss is a small class (:class:`PolicyLoss`) that turns one micro-batch's :class:`LossBatch`
+into a per-token surrogate and its own clip flags; the base class weights the tokens (rollout
+correction), aggregates (``algo.loss_agg_mode``), adds the KL and entropy terms and computes the
+metrics every loss reports, split fresh/replay. Each loss declares how its metrics reduce over
+micro-batches and ranks (:meth:`PolicyLoss.metric_reductions`); the actor reduces by that
+declaration. The losses themselves live in :mod:`rlep_megatron.algo.surrogates`.
 
 Aggregation (``loss_agg_mode``):
 
@@ -13,43 +18,88 @@ Aggregation (``loss_agg_mode``):
 * ``reference_micro_batch_mean``: the reference code's flavour: the token mean inside the
   micro-batch, weighted by ``num_sequences_in_micro_batch / global_num_sequences``; only
   approximately a global token mean when micro-batches differ in token counts.
+* ``constant_length``: Dr. GRPO's ``sum(L over valid tokens) / (global_num_sequences x L_max)``
+  with a constant ``L_max`` (``algo.loss_constant_length_tokens``, by default the rollout's
+  ``max_response_tokens``): no response-length bias.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import ClassVar, Optional
 
 import torch
 
-LOSS_AGG_MODES = ("global_token_mean", "reference_micro_batch_mean")
+LOSS_AGG_MODES = ("global_token_mean", "reference_micro_batch_mean", "constant_length")
+# how a metric of one micro-batch becomes the mini-batch's: summed and reported (``sum``),
+# summed and used only as a weight (``count``), weighted by its split's token count
+# (``token_mean``), or the maximum (``max``)
+REDUCTIONS = ("sum", "count", "token_mean", "max")
+SPLITS = ("", "/fresh", "/replay")
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str,
-               global_num_tokens: Optional[float],
-               global_num_sequences: Optional[float]) -> torch.Tensor:
-    if loss_agg_mode == "global_token_mean":
-        if global_num_tokens is None:  # this micro-batch's count; 0 / 1 when it has none
+@dataclass(frozen=True)
+class Normaliser:
+    """What one micro-batch's summed loss is divided by: the mini-batch's totals, summed over
+    micro-batches and data-parallel ranks by the caller (``None``: this micro-batch's own)."""
+
+    loss_agg_mode: str = "global_token_mean"
+    global_num_tokens: Optional[float] = None
+    global_num_sequences: Optional[float] = None
+    constant_length_tokens: Optional[float] = None
+    """``L_max`` of ``constant_length``."""
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normaliser: Normaliser) -> torch.Tensor:
+    """``[batch, seq]`` per-token values -> this micro-batch's share of the mini-batch loss."""
+    mode, tokens = normaliser.loss_agg_mode, normaliser.global_num_tokens
+    sequences = normaliser.global_num_sequences
+    if mode == "global_token_mean":
+        if tokens is None:  # this micro-batch's count; 0 / 1 when it has none
             return (per_token * mask).sum() / mask.sum().clamp(min=1)
-        if global_num_tokens <= 0:
+        if tokens <= 0:
             return (per_token * mask).sum() * 0.0
-        return (per_token * mask).sum() / global_num_tokens
-    if loss_agg_mode == "reference_micro_batch_mean":
-        weight = 1.0 if global_num_sequences is None else mask.shape[0] / global_num_sequences
+        return (per_token * mask).sum() / tokens
+    if mode == "reference_micro_batch_mean":
+        weight = 1.0 if sequences is None else mask.shape[0] / sequences
         return _masked_mean(per_token, mask) * weight
-    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    if mode == "constant_length":
+        if normaliser.constant_length_tokens is None:
+            raise ValueError("loss_agg_mode constant_length needs constant_length_tokens")
+        if sequences is None:
+            sequences = float((mask.sum(dim=-1) > 0).sum())
+        if sequences <= 0:
+            return (per_token * mask).sum() * 0.0
+        return (per_token * mask).sum() / (sequences * normaliser.constant_length_tokens)
+    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+
+
+def sequence_mean(per_token: torch.Tensor, mask: torch.Tensor,
+                  global_num_sequences: Optional[float]) -> torch.Tensor:
+    """The mean over sequences of each sequence's token mean (GSPO's aggregation): ``sum_i
+    (sum_t L_it / n_i) / global_num_sequences`` over the rows with valid tokens."""
+    per_row = (per_token * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    if global_num_sequences is None:
+        global_num_sequences = float((mask.sum(dim=-1) > 0).sum())
+    if global_num_sequences <= 0:
+        return per_row.sum() * 0.0
+    return per_row.sum() / global_num_sequences
 
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# the penalty may also take k3 weighted by the importance ratio to the sampling policy
+KL_PENALTIES = KL_ESTIMATORS + ("k3_importance_weighted",)
 # k3's exp(-log r) overflows fp32 for log r < -88: the log-ratio is clamped first (verl's bound)
 K3_LOG_RATIO_BOUND = 20.0
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3",
-               clamp: Optional[float] = None) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+               clamp: Optional[float] = None,
+               old_logp: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples (Schulman, "Approximating KL
     divergence", 2020; the k1/k2/k3 of verl, OpenRLHF and NeMo-RL).
 
     With log r = logp - ref_logp: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) - 1 + log r.
@@ -62,17 +112,31 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     beyond it the gradient is 0), so that neither exp(-log r) nor its gradient overflows in
     fp32 or bf16. ``clamp`` bounds each token's value to [-clamp, clamp] (its gradient is then
     0): one token whose reference probability is tiny cannot dominate.
+
+    ``k3_importance_weighted`` (needs ``old_logp``, the log-probs of the policy that sampled the
+    tokens): ``(pi / pi_old) x k3`` with the gradient through both factors. Over samples of
+    pi_old its expected gradient is exactly that of KL(pi || pi_ref), also when pi has moved
+    away from pi_old during the update (Zhang et al. 2025, "On the design of KL-regularized
+    policy gradient algorithms for LLM reasoning"; DeepSeek-V3.2's unbiased KL estimate);
+    plain k3 gives the reverse direction's gradient even on-policy. Its ratio's log is clamped
+    to +-20 like k3's.
     """
     log_ratio = logp - ref_logp
     if estimator == "k1":
         value = log_ratio
     elif estimator == "k2":
         value = 0.5 * log_ratio.pow(2)
-    elif estimator == "k3":
+    elif estimator in ("k3", "k3_importance_weighted"):
         bounded = torch.clamp(log_ratio, -K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
         value = torch.exp(-bounded) - 1.0 + bounded
+        if estimator == "k3_importance_weighted":
+            if old_logp is None:
+                raise ValueError("kl estimator k3_importance_weighted needs old_logp")
+            weight = torch.exp(torch.clamp(logp - old_logp, -K3_LOG_RATIO_BOUND,
+                                           K3_LOG_RATIO_BOUND))
+            value = weight * value
     else:
-        raise ValueError(f"kl estimator must be one of {', '.join(KL_ESTIMATORS)}; "
+        raise ValueError(f"kl estimator must be one of {', '.join(KL_PENALTIES)}; "
                          f"got {estimator!r}")
     return value if clamp is None else torch.clamp(value, -clamp, clamp)
 
@@ -81,8 +145,196 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, loss_agg_mode: str 
                   global_num_tokens: Optional[float] = None,
                   global_num_sequences: Optional[float] = None) -> torch.Tensor:
     """Aggregated entropy (to subtract, times a coefficient, from the loss)."""
-    return _aggregate(entropy, mask.to(entropy.dtype), loss_agg_mode, global_num_tokens,
-                      global_num_sequences)
+    return aggregate(entropy, mask.to(entropy.dtype),
+                     Normaliser(loss_agg_mode, global_num_tokens, global_num_sequences))
+
+
+@dataclass
+class LossBatch:
+    """One micro-batch's loss inputs, ``[batch, seq]`` unless said (rows are whole sequences)."""
+
+    logp: torch.Tensor
+    """Log-probs of the response tokens under the current policy (with gradient)."""
+    old_logp: torch.Tensor
+    """Log-probs under the policy being improved upon (recomputed before the update; replays
+    start at ratio 1)."""
+    advantages: torch.Tensor
+    """``[batch]`` (broadcast to every token) or ``[batch, seq]``."""
+    mask: torch.Tensor
+    """1 for trained response tokens, 0 for padding."""
+    is_replay: Optional[torch.Tensor] = None
+    """``[batch]`` bool, True for replayed responses: adds ``/fresh`` and ``/replay`` splits
+    of the metrics."""
+    ref_logp: Optional[torch.Tensor] = None
+    """Reference-policy log-probs (the KL term and its metrics)."""
+    entropy: Optional[torch.Tensor] = None
+    """Per-token entropy (the entropy bonus)."""
+    token_weights: Optional[torch.Tensor] = None
+    """Constant weights of each token's policy loss (rollout correction); no gradient flows
+    through them and the normaliser is unchanged (a weight-0 token counts as 0)."""
+
+    def __post_init__(self):
+        if self.logp.shape != self.old_logp.shape or self.logp.shape != self.mask.shape:
+            raise ValueError(f"logp {tuple(self.logp.shape)}, old_logp "
+                             f"{tuple(self.old_logp.shape)} and mask {tuple(self.mask.shape)} "
+                             "must have the same shape")
+        if self.token_weights is not None and self.token_weights.shape != self.logp.shape:
+            raise ValueError(f"token_weights {tuple(self.token_weights.shape)} must have the "
+                             f"shape of logp {tuple(self.logp.shape)}")
+        advantages = self.advantages
+        if advantages.dim() == self.logp.dim() - 1:
+            advantages = advantages.unsqueeze(-1)
+        self.advantages = advantages.to(self.logp.dtype).expand_as(self.logp)
+        self.mask = self.mask.to(self.logp.dtype)
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """The terms added to every policy loss, aggregated like it (off at coefficient 0)."""
+
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_clamp: Optional[float] = None
+    entropy_coef: float = 0.0
+
+
+LOSSES: dict[str, type] = {}
+
+
+def register_loss(name: str):
+    """Class decorator: the loss ``algo.loss=<name>`` builds."""
+    def add(cls):
+        if name in LOSSES:
+            raise ValueError(f"a policy loss named {name!r} is already registered")
+        cls.name = name
+        LOSSES[name] = cls
+        return cls
+    return add
+
+
+class PolicyLoss:
+    """The contract of a policy loss. A subclass implements :meth:`surrogate` (and may override
+    :meth:`aggregate`); it lists in ``split_flags`` the flags of its surrogate reported per
+    split (whole, fresh, replay) and in ``whole_flags`` those reported for all tokens only."""
+
+    name: ClassVar[str] = ""
+    split_flags: ClassVar[tuple[str, ...]] = ("pg_clipfrac",)
+    whole_flags: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, penalties: Penalties = Penalties()):
+        self.penalties = penalties
+
+    @classmethod
+    def from_config(cls, algo, penalties: Penalties,
+                    replay_clip_high: Optional[float] = None) -> "PolicyLoss":
+        """The loss with its options read from an ``AlgoConfig`` (``replay_clip_high``: the
+        ``replay`` section's eps_high for replays, for the losses that clip per token)."""
+        raise NotImplementedError
+
+    def surrogate(self, batch: LossBatch, ratio: torch.Tensor
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(per_token, flags)``: the ``[batch, seq]`` loss of each token (to be aggregated)
+        and ``[batch, seq]`` 0/1 flags (token means in the metrics). ``ratio``:
+        ``exp(logp - old_logp)``."""
+        raise NotImplementedError
+
+    def aggregate(self, per_token: torch.Tensor, mask: torch.Tensor,
+                  normaliser: Normaliser) -> torch.Tensor:
+        return aggregate(per_token, mask, normaliser)
+
+    def metric_reductions(self, with_ref: bool = False) -> dict[str, str]:
+        """How each metric of :meth:`__call__` reduces over micro-batches and ranks (see
+        :data:`REDUCTIONS`); ``token_mean`` keys are weighted by the ``num_tokens`` of their
+        split. ``kl`` is always there (0 when the KL term is off)."""
+        out = {"pg_loss": "sum", "kl": "sum", "num_tokens": "sum",
+               "num_tokens/fresh": "count", "num_tokens/replay": "count"}
+        token_means = [f"{name}{suffix}" for name in
+                       (*self.split_flags, "ratio_mean", "approx_kl") for suffix in SPLITS]
+        token_means += list(self.whole_flags)
+        if with_ref:
+            token_means += [f"kl_{e}{suffix}" for e in KL_ESTIMATORS for suffix in SPLITS]
+        out.update({key: "token_mean" for key in token_means})
+        out.update({f"ratio_max{suffix}": "max" for suffix in SPLITS})
+        return out
+
+    def __call__(self, batch: LossBatch, normaliser: Normaliser = Normaliser(),
+                 metrics_on_device: bool = False) -> tuple[torch.Tensor, dict]:
+        """``(loss, metrics)`` of one micro-batch: the scalar loss to backpropagate, and the
+        metrics over its valid tokens (``num_tokens`` weights them when averaging). With
+        ``metrics_on_device`` the metrics are detached 0-dim tensors (float32, float64 for
+        float64 inputs) where the loss lives, none read here (the caller reduces them and reads
+        them once); off, they are read here into floats in one transfer."""
+        logp, mask, penalties = batch.logp, batch.mask, self.penalties
+        log_ratio = logp - batch.old_logp
+        ratio = torch.exp(log_ratio)
+        per_token, flags = self.surrogate(batch, ratio)
+        if batch.token_weights is not None:
+            per_token = per_token * batch.token_weights.detach().to(per_token.dtype)
+
+        pg_loss = self.aggregate(per_token, mask, normaliser)
+        loss = pg_loss
+        kl_value = None
+        if penalties.kl_coef != 0.0:
+            if batch.ref_logp is None:
+                raise ValueError("kl_coef != 0 needs ref_logp")
+            kl_value = self.aggregate(kl_penalty(logp, batch.ref_logp, penalties.kl_estimator,
+                                                 penalties.kl_clamp, batch.old_logp),
+                                      mask, normaliser)
+            loss = loss + penalties.kl_coef * kl_value
+        if penalties.entropy_coef != 0.0:
+            if batch.entropy is None:
+                raise ValueError("entropy_coef != 0 needs entropy")
+            loss = loss - penalties.entropy_coef * self.aggregate(
+                batch.entropy, mask.to(batch.entropy.dtype), normaliser)
+        metrics = self._metrics(batch, ratio, log_ratio, flags, pg_loss, kl_value,
+                                metrics_on_device)
+        return loss, metrics
+
+    @torch.no_grad()
+    def _metrics(self, batch: LossBatch, ratio, log_ratio, flags, pg_loss, kl_value,
+                 on_device: bool) -> dict:
+        logp, mask = batch.logp, batch.mask
+        flags = {**flags, "ratio_mean": ratio, "approx_kl": -log_ratio}
+        if batch.ref_logp is not None:
+            for estimator in KL_ESTIMATORS:
+                flags[f"kl_{estimator}"] = kl_penalty(logp.detach(), batch.ref_logp, estimator)
+        metrics = {"pg_loss": pg_loss.detach()}
+        if kl_value is not None:
+            metrics["kl"] = kl_value.detach()
+        groups = {"": mask}
+        if batch.is_replay is not None:
+            replay_rows = batch.is_replay.to(torch.bool).unsqueeze(-1).to(logp.dtype)
+            groups["/fresh"] = mask * (1 - replay_rows)
+            groups["/replay"] = mask * replay_rows
+        for suffix, group_mask in groups.items():
+            metrics[f"num_tokens{suffix}"] = group_mask.sum()
+            for name, values in flags.items():
+                metrics[f"{name}{suffix}"] = _masked_mean(values, group_mask)
+            # ratios are positive: the masked maximum is 0 for a group without tokens
+            metrics[f"ratio_max{suffix}"] = torch.where(group_mask > 0, ratio, 0.0).max() \
+                if group_mask.numel() else group_mask.sum()
+        keys = list(metrics)
+        dtype = torch.promote_types(logp.dtype, torch.float32)
+        stacked = torch.stack([metrics[key].to(dtype) for key in keys])
+        if on_device:
+            return dict(zip(keys, stacked.unbind()))
+        return dict(zip(keys, stacked.tolist()))
+
+
+def build_loss(name: str, penalties: Penalties = Penalties(), **options) -> PolicyLoss:
+    """The registered loss ``name`` with its options (see each class)."""
+    if name not in LOSSES:
+        raise ValueError(f"algo.loss must be one of {', '.join(LOSSES)}, got {name!r}")
+    return LOSSES[name](penalties=penalties, **options)
+
+
+def loss_from_config(algo, replay_clip_high: Optional[float] = None) -> PolicyLoss:
+    """The loss ``algo.loss`` names, with its options and the KL and entropy terms of ``algo``
+    (an ``AlgoConfig``)."""
+    if algo.loss not in LOSSES:
+        raise ValueError(f"algo.loss must be one of {', '.join(LOSSES)}, got {algo.loss!r}")
+    penalties = Penalties(algo.kl_coef, algo.kl_estimator, algo.kl_clamp, algo.entropy_coef)
+    return LOSSES[algo.loss].from_config(algo, penalties, replay_clip_high)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -97,120 +349,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 token_weights: Optional[torch.Tensor] = None,
                 replay_clip_high: Optional[float] = None, metrics_on_device: bool = False
                 ) -> tuple[torch.Tensor, dict]:
-    """Clipped policy-gradient loss of one micro-batch.
-
-    Args:
-        logp: ``[batch, seq]`` log-probs of the response tokens under the current policy.
-        old_logp: ``[batch, seq]`` log-probs under the policy that is being improved upon
-            (recomputed before the update; replays start at ratio 1).
-        advantages: ``[batch]`` (broadcast to every token) or ``[batch, seq]``.
-        mask: ``[batch, seq]`` 1 for response tokens, 0 for padding.
-        clip_low, clip_high, clip_c: eps_low, eps_high and the dual-clip constant c.
-        loss_agg_mode: see the module docstring.
-        global_num_tokens: valid tokens of the whole mini-batch across micro-batches and ranks
-            (``global_token_mean``); ``None`` uses this micro-batch's count.
-        global_num_sequences: sequences of the whole mini-batch (``reference_micro_batch_mean``).
-        is_replay: ``[batch]`` bool, True for replayed responses; adds ``/fresh`` and
-            ``/replay`` splits of the metrics.
-        ref_logp, kl_coef, kl_estimator, kl_clamp: optional KL penalty to a reference policy
-            (:func:`kl_penalty`; off when ``kl_coef`` is 0), aggregated like the policy loss.
-            With ``ref_logp`` given, the metrics carry every estimator (``kl_k1`` ...),
-            split fresh/replay, whatever the coefficient.
-        entropy, entropy_coef: optional entropy bonus ``[batch, seq]`` (off when 0).
-        token_weights: optional ``[batch, seq]`` constant weights of the per-token policy loss
-            (rollout correction, :mod:`rlep_megatron.algo.correction`); no gradient flows
-            through them, and the normaliser is unchanged (a weight-0 token counts as 0).
-        replay_clip_high: eps_high for replayed rows instead of ``clip_high`` (needs
-            ``is_replay``); ``None`` treats replays like fresh responses.
-        metrics_on_device: return the metrics as detached 0-dim tensors (float32, float64 for
-            float64 inputs) where the loss lives, none read here: the caller reduces them over
-            micro-batches and reads them once (the actor's step: one device-to-host transfer
-            per optimizer step); off, they are read here into floats in one transfer.
-
-    Returns:
-        ``(loss, metrics)``: the scalar loss to backpropagate and the metrics computed over
-        the valid tokens of this micro-batch (``num_tokens`` weights them when averaging).
-    """
-    if logp.shape != old_logp.shape or logp.shape != mask.shape:
-        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
-                         f"{tuple(mask.shape)} must have the same shape")
-    if advantages.dim() == logp.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
-    advantages = advantages.to(logp.dtype).expand_as(logp)
-    mask = mask.to(logp.dtype)
-
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    if replay_clip_high is None:
-        clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    else:
-        if is_replay is None:
-            raise ValueError("replay_clip_high needs is_replay")
-        rows = is_replay.to(device=ratio.device, dtype=torch.bool).unsqueeze(-1)
-        bounds = torch.tensor([1.0 + replay_clip_high, 1.0 + clip_high], dtype=ratio.dtype,
-                              device=ratio.device)
-        upper = torch.where(rows, bounds[0], bounds[1])
-        clipped_ratio = torch.minimum(torch.clamp(ratio, min=1.0 - clip_low), upper)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * clipped_ratio
-    loss_clip_higher = torch.maximum(loss_unclipped, loss_clipped)
-    loss_dual = torch.minimum(loss_clip_higher, -advantages * clip_c)
-    negative = advantages < 0
-    per_token = torch.where(negative, loss_dual, loss_clip_higher)
-    if token_weights is not None:
-        if token_weights.shape != logp.shape:
-            raise ValueError(f"token_weights {tuple(token_weights.shape)} must have the shape "
-                             f"of logp {tuple(logp.shape)}")
-        per_token = per_token * token_weights.detach().to(per_token.dtype)
-
-    pg_loss = _aggregate(per_token, mask, loss_agg_mode, global_num_tokens, global_num_sequences)
-    loss = pg_loss
-    kl_value = None
-    if kl_coef != 0.0:
-        if ref_logp is None:
-            raise ValueError("kl_coef != 0 needs ref_logp")
-        kl_value = _aggregate(kl_penalty(logp, ref_logp, kl_estimator, kl_clamp), mask,
-                              loss_agg_mode, global_num_tokens, global_num_sequences)
-        loss = loss + kl_coef * kl_value
-    if entropy_coef != 0.0:
-        if entropy is None:
-            raise ValueError("entropy_coef != 0 needs entropy")
-        loss = loss - entropy_coef * entropy_bonus(entropy, mask, loss_agg_mode,
-                                                   global_num_tokens, global_num_sequences)
-
-    with torch.no_grad():
-        clip_active = (loss_clipped > loss_unclipped).to(logp.dtype)
-        flags = {
-            "pg_clipfrac": clip_active,
-            "pg_clipfrac_low": clip_active * (ratio < 1.0),
-            "pg_clipfrac_high": clip_active * (ratio > 1.0),
-            "pg_clipfrac_dual": (negative & (loss_dual < loss_clip_higher)).to(logp.dtype),
-            "ratio_mean": ratio,
-            "approx_kl": -log_ratio,
-        }
-        if ref_logp is not None:
-            for estimator in KL_ESTIMATORS:
-                flags[f"kl_{estimator}"] = kl_penalty(logp.detach(), ref_logp, estimator)
-        metrics = {"pg_loss": pg_loss.detach()}
-        if kl_value is not None:
-            metrics["kl"] = kl_value.detach()
-        groups = {"": mask}
-        if is_replay is not None:
-            replay_rows = is_replay.to(torch.bool).unsqueeze(-1).to(logp.dtype)
-            groups["/fresh"] = mask * (1 - replay_rows)
-            groups["/replay"] = mask * replay_rows
-        for suffix, group_mask in groups.items():
-            metrics[f"num_tokens{suffix}"] = group_mask.sum()
-            for name, values in flags.items():
-                metrics[f"{name}{suffix}"] = _masked_mean(values, group_mask)
-            # ratios are positive: the masked maximum is 0 for a group without tokens
-            metrics[f"ratio_max{suffix}"] = torch.where(group_mask > 0, ratio, 0.0).max() \
-                if group_mask.numel() else group_mask.sum()
-        keys = list(metrics)
-        dtype = torch.promote_types(logp.dtype, torch.float32)
-        stacked = torch.stack([metrics[key].to(dtype) for key in keys])
-        if metrics_on_device:
-            metrics = dict(zip(keys, stacked.unbind()))
-        else:
-            metrics = dict(zip(keys, stacked.tolist()))
-    return loss, metrics
+    """The default loss (DAPO's clip-higher with dual clip, :class:`surrogates.DapoClip`) of
+    one micro-batch, as one call: tensors as in :class:`LossBatch`, aggregation as in
+    :class:`Normaliser`, the KL and entropy terms as in :class:`Penalties`;
+    ``replay_clip_high``: eps_high for replayed rows (needs ``is_replay``). Returns
+    ``(loss, metrics)`` (see :meth:`PolicyLoss.__call__`)."""
+    loss = build_loss("dapo", Penalties(kl_coef, kl_estimator, kl_clamp, entropy_coef),
+                      clip_low=clip_low, clip_high=clip_high, clip_c=clip_c,
+                      replay_clip_high=replay_clip_high)
+    batch = LossBatch(logp, old_logp, advantages, mask, is_replay, ref_logp, entropy,
+                      token_weights)
+    return loss(batch, Normaliser(loss_agg_mode, global_num_tokens, global_num_sequences),
+                metrics_on_device)
