@@ -83,9 +83,11 @@ def engine_sampler(engine):
     """``sample``'s signature over the trainer's rollout engine (``--sampler vllm``): the
     model's weights are loaded into the engine before each call. vLLM stops on every EOS id of
     the model's generation config, ``sample`` on the tokenizer's EOS only."""
+    from rlep_megatron.weight_sync import deliver
+
     def draw(model, prompts, n, max_new_tokens, temperature, top_p, top_k, pad_id, eos_id,
              generator_seed):
-        engine.load_weights((name, p.detach()) for name, p in model.named_parameters())
+        deliver(engine, ((name, p.detach()) for name, p in model.named_parameters()))
         groups = engine.generate(prompts, n, temperature=temperature, top_p=top_p,
                                  top_k=top_k if top_k > 0 else -1, max_tokens=max_new_tokens,
                                  seed=generator_seed)
@@ -112,7 +114,9 @@ def check_samplers(model, prompts, cfg, pad_id, eos_id, engine=None):
         own = torch.log_softmax(step_logits[i, :len(response)], -1).gather(-1, at)[:, 0]
         drawn["transformers generate"].append((prompt, response, own))
     if engine is not None:
-        engine.load_weights((name, p.detach()) for name, p in model.named_parameters())
+        from rlep_megatron.weight_sync import deliver
+
+        deliver(engine, ((name, p.detach()) for name, p in model.named_parameters()))
         groups = engine.generate(prompts, 1, temperature=1.0, top_p=1.0, top_k=-1,
                                  max_tokens=cfg.rollout.max_response_tokens, seed=0)
         drawn["the rollout engine"] = [(prompt, g[0].token_ids, torch.tensor(g[0].logprobs))

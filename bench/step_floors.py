@@ -182,7 +182,7 @@ def main() -> None:
         "checkpoint.save_interval_steps=0", "trainer.loggers=[]"])
     trainer = Trainer(cfg)
     learner, side = trainer.learner, trainer.rollout
-    learner.weight_sync()
+    trainer.sync_weights()
     plain = plain_model(trainer)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.optim.lr,
                                         weight_decay=cfg.optim.weight_decay)

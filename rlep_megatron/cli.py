@@ -136,19 +136,28 @@ def _load_for_job(args: argparse.Namespace):
     return cfg
 
 
+def _served_as_rollout_rank(cfg) -> bool:
+    """``rollout.placement=separate`` with ``rollout.num_ranks``: the job's last ranks run the
+    vLLM servers (until the others are done) instead of the job; True on such a rank."""
+    if cfg.rollout.placement != "separate" or not cfg.rollout.num_ranks:
+        return False
+    from rlep_megatron.distributed import split_rollout_ranks
+
+    index = split_rollout_ranks(cfg.rollout.num_ranks)
+    if index is None:
+        return False
+    from rlep_megatron.rollout.server import serve_rollout_rank
+
+    serve_rollout_rank(cfg, index)
+    return True
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from rlep_megatron.trainer import run_train
 
     cfg = _load_for_job(args)
-    if cfg.rollout.placement == "separate" and cfg.rollout.num_ranks:
-        from rlep_megatron.distributed import split_rollout_ranks
-
-        index = split_rollout_ranks(cfg.rollout.num_ranks)
-        if index is not None:  # this rank runs a vLLM server for the trainers
-            from rlep_megatron.rollout.server import serve_rollout_rank
-
-            serve_rollout_rank(cfg, index)
-            return 0
+    if _served_as_rollout_rank(cfg):
+        return 0
     out = run_train(cfg, release=not args.process_ends)
     logger.info("training finished: %s", out)
     return 0
@@ -158,6 +167,8 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     from rlep_megatron.collect import run_collect
 
     cfg = _load_for_job(args)
+    if _served_as_rollout_rank(cfg):
+        return 0
     run_collect(cfg, release=not args.process_ends)
     return 0
 
@@ -166,6 +177,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from rlep_megatron.evaluate import run_eval
 
     cfg = _load_for_job(args)
+    if _served_as_rollout_rank(cfg):
+        return 0
     run_eval(cfg, release=not args.process_ends)
     return 0
 

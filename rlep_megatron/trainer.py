@@ -70,24 +70,13 @@ def _throughput(batch: StepBatch, timings: dict[str, float]) -> dict[str, float]
 
 
 def build_engine(cfg: RunConfig, learner):
-    """The rollout engine, started with dummy weights (the first weight sync fills them):
-    colocated, or the vLLM servers of ``rollout.placement: separate``."""
-    from rlep_megatron.rollout import RolloutEngine
+    """The rollout engine of the run (:func:`rlep_megatron.rollout.factory.build_engine`),
+    started with dummy weights (the first weight sync fills them)."""
+    from rlep_megatron.rollout.factory import build_engine as build
 
-    if cfg.rollout.placement == "separate":
-        from rlep_megatron.rollout.server import ServerEngine
-
-        urls = (list(cfg.rollout.server_urls) if cfg.rollout.server_urls
-                else distributed.rollout_urls(cfg.rollout.num_ranks))
-        return ServerEngine(urls, cfg.model.hf_dir, cfg.rollout,
-                            timeout_s=cfg.rollout.server_timeout_s)
-
-    max_model_len = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
-    return RolloutEngine(
-        cfg.model.hf_dir, cfg.rollout, dtype=str(learner.info.params_dtype).split(".")[-1],
-        seed=cfg.trainer.seed, max_model_len=max_model_len, load_weights=False,
-        capture_routing=learner.moe and cfg.trainer.max_staleness == 0,
-        eager_for_routing=cfg.algo.routing_replay == "rollout")
+    return build(cfg, dtype=str(learner.info.params_dtype).split(".")[-1],
+                 capture_routing=learner.moe and cfg.trainer.max_staleness == 0,
+                 eager_for_routing=cfg.algo.routing_replay == "rollout")
 
 
 def build_scheduler(cfg: RunConfig, engine, ends_at_checkpoint):
@@ -137,8 +126,10 @@ class Trainer:
         self.learner = LearningSide(cfg, self.hf_config)
         self.engine = build_engine(cfg, self.learner)
         tokenizer = self.engine.get_tokenizer()
-        self.learner.connect(self.engine, tokenizer.pad_token_id
-                             if tokenizer.pad_token_id is not None else self.engine.eos_token_id)
+        self.learner.connect(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                             else self.engine.eos_token_id, self.engine.routing_unavailable,
+                             self.engine.capturing_routing)
+        self.engine.plan_weights(self.learner.streamer)  # the servers: what the stream carries
         self.scheduler = build_scheduler(cfg, self.engine, self.ends_at_checkpoint)
         self.rollout = RolloutSide(cfg, self.scheduler, tokenizer, self.engine.eos_token_id,
                                    train_rows, pool)
@@ -181,17 +172,13 @@ class Trainer:
         batch = self.rollout.next_batch(self.step, timer)
         with timer.phase("advantage"):
             self.learner.advantage(batch)
-        separate = self.cfg.rollout.placement == "separate"
-        if not separate:
-            self.scheduler.pause()  # the engine gives its device to the update
-        # separate placement: the servers go on generating the next batches meanwhile
-        train, old_metrics = self.learner.update(batch, timer, self.step)
-        with timer.phase("weight_sync"):
-            if separate:
-                self.scheduler.pause()  # the weights change: requests in flight leave or wait
-            self.learner.weight_sync(version=self.step + 1)
-            if separate:
-                self.scheduler.resume(self.step + 1)
+        # a colocated engine's requests step aside and it releases the devices to the update;
+        # servers go on generating the next batches meanwhile
+        self.scheduler.before_update()
+        with self.engine.released():
+            train, old_metrics = self.learner.update(batch, timer, self.step)
+        with timer.phase("weight_sync"), self.scheduler.weight_update(self.step + 1):
+            self.sync_weights(version=self.step + 1)
         metrics = self.step_metrics(batch, train, old_metrics)
         metrics.update(self.scheduler.tail_metrics())
         self.step += 1
@@ -227,19 +214,39 @@ class Trainer:
         return {f"val/{source}/{name}": float(value) for source, table in report.items()
                 for name, value in table.items() if name != "num_questions"}
 
+    def sync_weights(self, version: Optional[int] = None) -> dict[str, float]:
+        """The actor's weights into the engine (:mod:`rlep_megatron.weight_sync.lifecycle`);
+        ``version``: the policy version they are (the servers label their tokens with it)."""
+        from rlep_megatron.weight_sync import sync_weights
+
+        return sync_weights(self.engine, self.learner.streamer, version)
+
+    def with_train_state(self, action, resync: bool = True):
+        """``action()`` (a checkpoint save or load) with the train state on the device. With it
+        offloaded, it comes back while the engine has released the devices; that release
+        discards a sleeping engine's weights: with ``resync`` they are synced again from the
+        (unchanged) actor."""
+        if not self.learner.train_state_offloaded:
+            return action()
+        with self.engine.released():
+            result = self.learner.with_train_state(action)
+        if resync and self.engine.weights_incomplete:
+            self.sync_weights()
+        return result
+
     def save_checkpoint(self) -> None:
         """A drain point: nothing is in flight on the engine (the scheduler saw it coming).
         With the train state offloaded, the save brings it back while the engine sleeps."""
-        self.learner.with_train_state(lambda: self.checkpoints.save(self))
+        self.with_train_state(lambda: self.checkpoints.save(self))
 
     def run(self) -> None:
         cfg = self.cfg
-        resumed = self.learner.with_train_state(lambda: self.checkpoints.maybe_resume(self),
-                                                resync=False)
+        resumed = self.with_train_state(lambda: self.checkpoints.maybe_resume(self),
+                                        resync=False)
         if self.metrics is not None:
             # records after the checkpoint (or all of them on a fresh start) are redone
             self.metrics.truncate_after(self.step if resumed else -1)
-        self.learner.weight_sync(version=self.step)  # the engine starts with dummy weights
+        self.sync_weights(version=self.step)  # the engine starts with dummy weights
         interval = cfg.trainer.validation_interval_steps
         if (self.val_rows is not None and interval and cfg.trainer.validate_before_train
                 and not resumed):
@@ -273,25 +280,18 @@ class Trainer:
 
     def close(self, failed: bool = False, release_engine: bool = True) -> None:
         """Release the run's resources. After a failure only this process's own (metrics
-        file, scorer workers): the other ranks may be anywhere, so no collective is entered
-        (the caller then ends the process, see ``cli.main``). ``release_engine=False`` leaves
-        the engine to the end of the process (the CLI's, which ends at once: vLLM's shutdown
-        walks the whole heap three times, about 3 s on a 2-core machine)."""
+        file, scorer workers) and, best effort, what outlives the job (the engine's
+        ``abandon``): the other ranks may be anywhere, so no collective is entered (the caller
+        then ends the process, see ``cli.main``). ``release_engine=False``: the process ends
+        right after, and the engine's teardown is left to it where it can be."""
         if self.metrics is not None:
             self.metrics.close()
         self.rollout.close()
-        separate = self.cfg.rollout.placement == "separate"
         if failed:
-            if separate:
-                self.engine.release()  # servers outliving the job are left usable
+            self.engine.abandon()
             return
         distributed.barrier()
-        if separate:
-            self.engine.shutdown()
-            if self.cfg.rollout.num_ranks and distributed.is_rank0():
-                distributed.job_store().set(distributed.ROLLOUT_DONE_KEY, "1")
-        elif release_engine:
-            self.engine.shutdown()
+        self.engine.shutdown(process_ending=not release_engine)
 
 
 def run_train(cfg: RunConfig, release: bool = True) -> str:

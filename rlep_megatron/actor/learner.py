@@ -7,7 +7,10 @@ routing replay of a mixture-of-experts model), and per training step runs, in or
     old_logprob  the actor's log-probs of every response before the update (the reference's
                  too); engine/actor gap, rollout-correction weights, replay NLL
     train        one epoch of mini-batch updates
-    weight_sync  the new weights streamed into the rollout engine
+
+and holds the weight stream (:attr:`LearningSide.streamer`) that the loop delivers into the
+rollout engine. It never holds the engine: the loop hands it what it needs (the pad id, whether
+the engine gives routing) and runs the update while the engine has released the devices.
 
 With ``optim.offload_during_rollout`` (GPU) gradient buffers and optimizer state live off the
 GPU except while the engine sleeps for :meth:`LearningSide.update` or a checkpoint.
@@ -36,7 +39,7 @@ def _mean(values) -> float:
 
 class LearningSide:
     """The actor and its optimizer; built before the rollout engine (whose memory, with
-    offload, is sized while the train state is off the GPU), connected to it by
+    offload, is sized while the train state is off the GPU), told about it by
     :meth:`connect`."""
 
     def __init__(self, cfg, hf_config: dict):
@@ -100,30 +103,32 @@ class LearningSide:
                              "(auto on GPU): with float32 parameters megatron's optimizer "
                              "works on the model's own weights, which must stay on the GPU")
         self._train_state_offloaded = False
-        self.engine = self.streamer = None
+        from rlep_megatron.weight_sync import WeightStreamer
+
+        # the weights as the rollout engine takes them (the loop delivers them)
+        self.streamer = WeightStreamer(self.chunks, self.info, cfg.rollout.weight_sync_bucket_bytes)
         self.pad_id = 0
+        self.engine_routing = False
         # with offload the engine is built while the gradient buffers and optimizer state are
         # off the GPU: vLLM refuses to start when less than rollout.gpu_memory_utilization of
         # the GPU is free, so that fraction can then include the memory the update holds only
         # while the engine sleeps (vLLM does not grow its cache by itself: raise the setting)
         self.offload_train_state_now()
 
-    def connect(self, engine, pad_id: int) -> None:
-        """Stream weights into ``engine`` from now on; ``pad_id`` pads training rows."""
-        from rlep_megatron.weight_sync import WeightStreamer
-
+    def connect(self, pad_id: int, routing_unavailable: Optional[str],
+                engine_routing: bool) -> None:
+        """What the learner needs of the rollout engine, as values: ``pad_id`` pads training
+        rows; ``routing_unavailable``: why the engine cannot give MoE routing (``None``: it
+        can); ``engine_routing``: whether it captures it."""
         cfg = self.cfg
-        if engine.routing_unavailable is not None:
+        if routing_unavailable is not None:
             if cfg.algo.routing_replay == "rollout":
                 raise ValueError("algo.routing_replay=rollout needs the engine's routing, which "
-                                 f"this engine cannot give: {engine.routing_unavailable}; "
+                                 f"this engine cannot give: {routing_unavailable}; "
                                  "use actor (replays the old-log-prob pass's routing) or off")
             logger.warning("rollout/routing_mismatch_frac is not measured: %s",
-                           engine.routing_unavailable)
-        self.engine, self.pad_id = engine, pad_id
-        self.streamer = WeightStreamer(self.chunks, self.info,
-                                       cfg.rollout.weight_sync_bucket_bytes)
-        engine.plan_weights(self.streamer)  # the servers: what the stream will carry
+                           routing_unavailable)
+        self.pad_id, self.engine_routing = pad_id, engine_routing
 
     # ------------------------------------------------------------------ phases
 
@@ -139,16 +144,14 @@ class LearningSide:
     def update(self, batch: StepBatch, timer, version: int) -> tuple[dict, dict]:
         """Old log-probs, then one epoch of mini-batch updates; returns the train metrics and
         the old-log-prob metrics. ``version``: the policy version being trained (the step).
-        GPU: the engine's weights and KV cache are released meanwhile (vLLM sleep); the
-        weight sync refills them. No-op on CPU."""
+        The loop runs it while a colocated engine has released the devices."""
         plan = mini_batch_plan(len(batch.sequences), self.cfg)
-        with self.engine.released():
-            self.restore_train_state()
-            with timer.phase("old_logprob"):
-                train_batches, old_metrics = self.old_logprob(batch, plan, version)
-            with timer.phase("train"):
-                train = self.train(train_batches, version)
-            self.offload_train_state_now()
+        self.restore_train_state()
+        with timer.phase("old_logprob"):
+            train_batches, old_metrics = self.old_logprob(batch, plan, version)
+        with timer.phase("train"):
+            train = self.train(train_batches, version)
+        self.offload_train_state_now()
         return train, old_metrics
 
     def old_logprob(self, batch: StepBatch, plan: list[list[int]], version: int):
@@ -188,7 +191,7 @@ class LearningSide:
             "train/old_nll_mean/replay": sums["nll_replay"] / max(sums["tokens_replay"], 1.0),
             "train/old_nll_max/fresh": maxima["nll_max_fresh"],
             "train/old_nll_max/replay": maxima["nll_max_replay"],
-            **load.metrics(engine_routing=self.engine.capturing_routing),
+            **load.metrics(engine_routing=self.engine_routing),
         }
         # the gap by where the behaviour log-prob comes from: the version being trained, an
         # older one (one-step-off rollout), the policy that wrote a replayed answer
@@ -232,13 +235,6 @@ class LearningSide:
         out["num_optimizer_steps"] = float(len(results))
         return out
 
-    def weight_sync(self, version=None) -> dict[str, float]:
-        """The actor's weights into the engine; ``version``: the policy version they are (the
-        servers of separate placement label their tokens with it)."""
-        from rlep_megatron.weight_sync import sync_weights
-
-        return sync_weights(self.engine, self.streamer, version)
-
     # ------------------------------------------------------------------ memory
 
     def offload_train_state_now(self) -> None:
@@ -256,16 +252,16 @@ class LearningSide:
             self.optimizer.restore(self.chunks)
             self._train_state_offloaded = False
 
-    def with_train_state(self, action, resync: bool = True):
-        """``action()`` (a checkpoint save or load) with the train state on the device: brought
-        back while the engine sleeps, offloaded again after. The engine's sleep discards its
-        weights: with ``resync`` they are synced again from the (unchanged) actor."""
+    @property
+    def train_state_offloaded(self) -> bool:
+        return self._train_state_offloaded
+
+    def with_train_state(self, action):
+        """``action()`` (a checkpoint save or load) with the train state on the device, offloaded
+        again after (the loop runs it while a colocated engine has released the devices)."""
         if not self._train_state_offloaded:
             return action()
-        with self.engine.released():
-            self.restore_train_state()
-            result = action()
-            self.offload_train_state_now()
-        if resync and self.engine.weights_incomplete:
-            self.weight_sync()
+        self.restore_train_state()
+        result = action()
+        self.offload_train_state_now()
         return result

@@ -52,6 +52,14 @@ class InferenceEngine(Protocol):
     routing_unavailable: Optional[str]
     """Why the engine cannot give MoE routing (``None``: it can)."""
 
+    capturing_routing: bool
+    """Whether the engine reports each fresh token's experts (MoE routing capture)."""
+
+    overlaps_training: bool
+    """True: the engine has devices of its own and generates while the actor trains (the
+    servers), paused only for the weight update; false: it hands its devices to the update
+    (colocated), so nothing is in flight while the actor trains."""
+
     # ---------------------------------------------------------------- generation
     def get_tokenizer(self): ...
 
@@ -78,13 +86,26 @@ class InferenceEngine(Protocol):
     def plan_weights(self, streamer) -> None:
         """Before the first update: what the weight stream will carry."""
 
-    def load_weights(self, weights, version: Optional[int] = None) -> dict[str, float]:
-        """One weight update from ``(hf_name, tensor)`` pairs; ``tensors``/``bytes``/
-        ``seconds`` of it."""
+    # the weight-update lifecycle (rlep_megatron.weight_sync.lifecycle.WeightTarget)
+    def start_weight_update(self) -> None: ...
+
+    def send_weights(self, weights) -> None:
+        """The update's ``(hf_name, tensor)`` pairs, bucket by bucket (collective)."""
+
+    def finish_weight_update(self, version: Optional[int] = None) -> None:
+        """Complete; the servers label their tokens with ``version`` from here."""
+
+    def abort_weight_update(self, error: BaseException, tensors_sent: int) -> None: ...
 
     # ---------------------------------------------------------------- memory
     def released(self):
         """A context in which the engine's device memory is released to training (the
         colocated engine sleeps for the block, with ``rollout.enable_sleep_mode``)."""
 
-    def shutdown(self) -> None: ...
+    def abandon(self) -> None:
+        """After a failure, best effort and without a collective: leave what outlives the job
+        usable (the servers: requests aborted, generation resumed)."""
+
+    def shutdown(self, process_ending: bool = False) -> None:
+        """End of the job (collective). ``process_ending``: the process exits right after, so
+        what it would free goes with it (the colocated engine skips vLLM's slow teardown)."""

@@ -172,6 +172,7 @@ class RolloutEngine:
     slower; :func:`~rlep_megatron.rollout.routing_capture.eager_v1_engine_settings`)."""
 
     capturing_routing = False
+    overlaps_training = False  # the engine hands its devices to the update
     routing_source: Optional[str] = None
     """``output`` (vLLM's own routed experts) or ``capture`` (the V1 hook), when routing is
     asked for (:func:`~rlep_megatron.rollout.routing_capture.engine_routing_settings`)."""
@@ -383,37 +384,37 @@ class RolloutEngine:
     def plan_weights(self, streamer) -> None:
         """Nothing to plan: each update reloads the tensors that arrive."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
-                     version: Optional[int] = None) -> dict[str, float]:
-        """Replace the engine's weights in place from ``(hf_name, full tensor)`` pairs (every
-        rank passes the same stream; each keeps its tensor-parallel slice). Collective. On any
-        exception the engine is marked stale and the exception propagates."""
-        count = {"tensors": 0, "bytes": 0}
-
-        def counted():
-            for name, tensor in weights:
-                count["tensors"] += 1
-                count["bytes"] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
+    # the weight-update lifecycle (rlep_megatron.weight_sync.lifecycle) over the worker's RPC:
+    # every rank passes the same stream and keeps its tensor-parallel slice (collective)
+    def start_weight_update(self) -> None:
         self._incomplete_reason = "a weight sync was started and has not completed"
-        started = time.perf_counter()
-        try:
-            self.llm.collective_rpc("rlep_reload_weights", args=(counted(),))
-        except BaseException as err:
-            self._incomplete_reason = (f"the last weight sync failed after {count['tensors']} "
-                                  f"tensors with {type(err).__name__}: {err}")
-            raise
+        self.llm.collective_rpc("rlep_start_weight_update")
+
+    def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("rlep_load_weights", args=(weights,))
+
+    def finish_weight_update(self, version: Optional[int] = None) -> None:
+        """The colocated engine labels no tokens with ``version``: the loop knows it."""
+        self.llm.collective_rpc("rlep_finish_weight_update")
         # cached prefixes were computed with the old weights
         self.llm.reset_prefix_cache()
         self._incomplete_reason = None
-        return {"tensors": count["tensors"], "bytes": count["bytes"],
-                "seconds": time.perf_counter() - started}
 
-    def shutdown(self) -> None:
+    def abort_weight_update(self, error: BaseException, tensors_sent: int) -> None:
+        self._incomplete_reason = (f"the last weight sync failed after {tensors_sent} "
+                                   f"tensors with {type(error).__name__}: {error}")
+
+    def abandon(self) -> None:
+        """After a failure: nothing outlives the process."""
+
+    def shutdown(self, process_ending: bool = False) -> None:
         """Tear the engine down. vLLM's teardown also destroys torch.distributed's default
         process group (with the groups built on it), so call this last, before
-        :func:`rlep_megatron.distributed.destroy`. Collective; safe to call twice."""
+        :func:`rlep_megatron.distributed.destroy`. Collective; safe to call twice.
+        ``process_ending``: left to the end of the process (vLLM's shutdown walks the whole
+        heap three times, about 3 s on a 2-core machine)."""
+        if process_ending:
+            return
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

@@ -13,7 +13,7 @@ and keep their slice, as in a colocated sync).
 Worker side (:class:`GlooWeightTransferEngine`): ``start`` begins vLLM's layer-wise reload (the
 CPU MoE experts re-processed as at load), each ``update`` receives one flat byte buffer and
 loads its tensors, ``finish`` finalises the reload and repacks a tied CPU LM head: the steps of
-:meth:`~rlep_megatron.rollout.worker_ext.RolloutWorkerExtension.rlep_reload_weights`.
+:mod:`rlep_megatron.rollout.vllm_reload`, as in the colocated engine's worker extension.
 
 Trainer side (:class:`GlooTrainerWeightTransferEngine`): opens the group's TCP store, has the
 server join through the client while it joins itself, then streams ``(hf_name, tensor)`` pairs
@@ -152,12 +152,9 @@ def _build() -> dict:
                 init_info.timeout_s, is_master=False)
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            from rlep_megatron.rollout import vllm_reload
 
-            from rlep_megatron import platform
-
-            platform.process_cpu_moe_experts_on_reload()
-            initialize_layerwise_reload(self.model)
+            vllm_reload.begin(self.model)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # vLLM's default ends with torch.accelerator.synchronize(): nothing to wait for on
@@ -165,6 +162,8 @@ def _build() -> dict:
             self.receive_weights(self.parse_update_info(update_info))
 
         def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+            from rlep_megatron.rollout import vllm_reload
+
             if self.group is None:
                 raise RuntimeError("rlep_gloo weight transfer used before "
                                    "/init_weight_transfer_engine")
@@ -175,18 +174,14 @@ def _build() -> dict:
             if self.device.type != "cpu":
                 buffer = buffer.to(self.device)
             tensors = _byte_views(buffer, update_info.dtype_names, update_info.shapes)
-            self.model.load_weights(list(zip(update_info.names, tensors)))
+            vllm_reload.load(self.model, list(zip(update_info.names, tensors)))
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+            from rlep_megatron.rollout import vllm_reload
 
-            from rlep_megatron import platform
-
-            finalize_layerwise_reload(self.model, self.model_config)
-            tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
-            platform.refresh_vllm_cpu_embedding_kernels(self.model, tied)
+            vllm_reload.finish(self.model, self.model_config)
 
         def shutdown(self) -> None:
             self.group, self._store = None, None
@@ -256,19 +251,23 @@ def _build() -> dict:
             return self
 
         def send_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
-                         version: Optional[str] = None) -> dict[str, float]:
+                         version: Optional[str] = None) -> None:
             """Stream ``weights`` (default: the source) through one start / update... / finish
-            round; ``version`` labels the new weights on the server. Returns the tensors and
-            bytes sent."""
-            weights = self.source if weights is None else weights
-            count = {"tensors": 0, "bytes": 0}
+            round; ``version`` labels the new weights on the server."""
+            self.start_update()
+            self.send_stream(self.source if weights is None else weights)
+            self.finish_update(version)
+
+        def start_update(self) -> None:
             if self.is_sender:
                 self.client.start_weight_update()
+
+        def send_stream(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+            """The update's tensors in buckets of at most ``bucket_bytes`` (a rank that does
+            not send only walks the stream, whose gathers are its collectives)."""
             bucket: list[tuple[str, torch.Tensor]] = []
             size = 0
             for name, tensor in weights:
-                count["tensors"] += 1
-                count["bytes"] += tensor.numel() * tensor.element_size()
                 if not self.is_sender:
                     continue
                 nbytes = tensor.numel() * tensor.element_size()
@@ -277,11 +276,12 @@ def _build() -> dict:
                     bucket, size = [], 0
                 bucket.append((name, tensor))
                 size += nbytes
+            if self.is_sender and bucket:
+                self._send_bucket(bucket)
+
+        def finish_update(self, version: Optional[str] = None) -> None:
             if self.is_sender:
-                if bucket:
-                    self._send_bucket(bucket)
                 self.client.finish_weight_update(version)
-            return count
 
         def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
             flat = torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8).cpu()

@@ -1,6 +1,8 @@
-"""A rollout engine serving a given checkpoint, for ``rlep collect`` and ``rlep eval``.
+"""A rollout engine serving a given checkpoint, for ``rlep collect`` and ``rlep eval``, colocated
+or on the rollout servers (``rollout.placement``):
 
-* an HF directory (has ``config.json``): vLLM loads it directly;
+* an HF directory (has ``config.json``): a colocated vLLM loads it directly; the servers (started
+  with dummy weights of ``model.hf_dir``'s architecture) receive its tensors in one update;
 * a training checkpoint (``checkpoints/step_XXXXXXXX``, has ``meta.json`` and ``dist/``): the
   actor is built at ``parallel.*`` from ``model.hf_dir``'s config, its weights are loaded from
   the dist checkpoint (any saved layout) and streamed into an engine started with dummy weights.
@@ -49,16 +51,48 @@ def checkpoint_kind(path: str) -> str:
                      "checkpoint (meta.json + dist/, e.g. <output_dir>/checkpoints/step_00000010)")
 
 
-def open_engine(cfg, checkpoint: str, max_model_len: int, seed: int):
-    """A :class:`RolloutEngine` with the checkpoint's weights (collective)."""
-    from rlep_megatron.rollout import RolloutEngine
+def open_engine(cfg, checkpoint: str, seed: int):
+    """The engine of ``rollout.placement`` (:mod:`rlep_megatron.rollout.factory`) with the
+    checkpoint's weights (collective): a colocated engine loads an HF checkpoint itself; the
+    servers, which start with dummy weights, receive its tensors through a weight update."""
+    from rlep_megatron.rollout.factory import build_engine
 
     kind = checkpoint_kind(checkpoint)
     distributed.init_process_group()
-    if kind == "hf":
-        return RolloutEngine(checkpoint, cfg.rollout, dtype=_dtype_name(cfg), seed=seed,
-                             max_model_len=max_model_len)
-    return _engine_from_training_checkpoint(cfg, checkpoint, max_model_len, seed)
+    if kind == "training":
+        return _engine_from_training_checkpoint(cfg, checkpoint, seed)
+    if cfg.rollout.placement != "separate":
+        return build_engine(cfg, model_dir=checkpoint, load_weights=True, seed=seed)
+    _check_same_architecture(checkpoint, cfg.model.hf_dir)
+    engine = build_engine(cfg, seed=seed)
+    _load_hf_checkpoint(engine, checkpoint)
+    return engine
+
+
+def _check_same_architecture(checkpoint: str, served: str) -> None:
+    """The servers run ``model.hf_dir``'s architecture: a checkpoint of another shape cannot
+    be loaded into them."""
+    from rlep_megatron.checkpoint.hf_io import load_hf_config
+
+    keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "intermediate_size", "vocab_size")
+    mine, theirs = load_hf_config(checkpoint), load_hf_config(served)
+    differ = [k for k in keys if mine.get(k) != theirs.get(k)]
+    if differ:
+        raise ValueError(f"checkpoint {checkpoint!r} differs from model.hf_dir {served!r} (the "
+                         f"architecture the rollout servers run) in {', '.join(differ)}: set "
+                         "model.hf_dir to the checkpoint's base model")
+
+
+def _load_hf_checkpoint(engine, checkpoint: str) -> None:
+    """Every tensor of an HF checkpoint into ``engine`` in one weight update."""
+    from rlep_megatron.checkpoint.hf_io import SafetensorsReader
+    from rlep_megatron.weight_sync import deliver
+
+    reader = SafetensorsReader(checkpoint)
+    result = deliver(engine, ((name, reader.get(name)) for name in reader.names()))
+    logger.info("loaded %s into the rollout servers (%d tensors, %.2f GB)", checkpoint,
+                result["tensors"], result["bytes"] / 1e9)
 
 
 @contextlib.contextmanager
@@ -73,33 +107,27 @@ def engine_and_scorer(cfg, checkpoint: str, seed: int, release: bool = True):
     process)."""
     from rlep_megatron.reward import make_scorer_pool
 
-    engine = open_engine(cfg, checkpoint, cfg.data.max_prompt_tokens
-                         + cfg.rollout.max_response_tokens, seed)
+    engine = open_engine(cfg, checkpoint, seed)
     scorer = make_scorer_pool(cfg.reward.backend, cfg.reward.num_workers, cfg.reward.timeout_s)
     try:
         yield engine, scorer
     except BaseException:
         scorer.close()
+        engine.abandon()
         raise
     scorer.close()
     distributed.barrier()
+    engine.shutdown(process_ending=not release)
     if release:
-        engine.shutdown()
         distributed.destroy()
 
 
-def _dtype_name(cfg) -> str:
-    from rlep_megatron.models.megatron import resolve_dtype
-
-    return str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1]
-
-
-def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, seed: int):
+def _engine_from_training_checkpoint(cfg, checkpoint: str, seed: int):
     from rlep_megatron.models.megatron import build_model, resolve_dtype
     from rlep_megatron.checkpoint.dist import load_mcore_weights
     from rlep_megatron.checkpoint.hf_io import load_hf_config
     from rlep_megatron.models import layout_limits
-    from rlep_megatron.rollout import RolloutEngine
+    from rlep_megatron.rollout.factory import build_engine
     from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 
     if not cfg.model.hf_dir:
@@ -110,10 +138,10 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, max_model_len: int, s
     chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype),
                                transformer_engine=cfg.model.transformer_engine)
     load_mcore_weights(chunks, checkpoint, hf_config=hf)
-    engine = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype=_dtype_name(cfg), seed=seed,
-                           max_model_len=max_model_len, load_weights=False)
-    result = sync_weights(engine, WeightStreamer(chunks, info,
-                                                 cfg.rollout.weight_sync_bucket_bytes))
+    engine = build_engine(cfg, seed=seed)
+    streamer = WeightStreamer(chunks, info, cfg.rollout.weight_sync_bucket_bytes)
+    engine.plan_weights(streamer)
+    result = sync_weights(engine, streamer)
     logger.info("loaded %s into the engine (%d tensors, %.2f GB)", checkpoint,
                 result["tensors"], result["bytes"] / 1e9)
     del chunks

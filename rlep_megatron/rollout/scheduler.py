@@ -19,10 +19,33 @@ state as the straight run did. The price is that the step before a checkpoint ru
 """
 from __future__ import annotations
 
+import contextlib
+
 from rlep_megatron.rollout.engine import Response, request_seed
 
 
-class SynchronousScheduler:
+class _WeightUpdates:
+    """When requests in flight step aside for the update (both schedulers): an engine that
+    hands its devices to the update pauses before the actor trains; one that overlaps training
+    (``engine.overlaps_training``, the servers) goes on generating and pauses only for the
+    weight update itself, resuming under the new version right after it."""
+
+    def before_update(self) -> None:
+        """The actor is about to train."""
+        if not self.engine.overlaps_training:
+            self.pause()
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int):
+        """Around the delivery of the weights of policy ``version``."""
+        if self.engine.overlaps_training:
+            self.pause()  # the weights change: requests in flight leave or wait
+        yield
+        if self.engine.overlaps_training:
+            self.resume(version)
+
+
+class SynchronousScheduler(_WeightUpdates):
     """Draw a batch of prompts and generate all of it now, under the current version."""
 
     def __init__(self, engine):
@@ -48,7 +71,7 @@ class SynchronousScheduler:
         return {}
 
 
-class AheadScheduler:
+class AheadScheduler(_WeightUpdates):
     """Keep the next ``max_staleness`` steps' prompts generating (see the module docstring)."""
 
     def __init__(self, engine, cfg, ends_at_checkpoint, max_staleness=None):

@@ -47,8 +47,7 @@ import torch
 from rlep_megatron.rollout.engine import merge_gathered, request_seed
 from rlep_megatron.rollout.requests import Pending, continuation_seed, take_finished
 from rlep_megatron.rollout.response import Response, decode_response
-from rlep_megatron.rollout.server_weights import (ServerWeights, advertised_address,
-                                                  count_tensors)
+from rlep_megatron.rollout.server_weights import ServerWeights, advertised_address
 
 logger = logging.getLogger(__name__)
 
@@ -583,12 +582,13 @@ class ServerEngine:
     routing_unavailable = ("the rollout runs on separate vLLM servers, which return no "
                            "per-token routing to replay here")
     capturing_routing = False
+    overlaps_training = True  # the servers keep their devices and generate meanwhile
     routing_source = None
     sleep_enabled = False
     extra_sampling: dict = {}  # more vLLM sampling parameters of every request (tests)
 
     def __init__(self, urls: list[str], model_dir: str, cfg, *, timeout_s: float = 60.0,
-                 watchdog: bool = True):
+                 watchdog: bool = True, owns_rollout_ranks: bool = False):
         from vllm.tokenizers import get_tokenizer
 
         from rlep_megatron import distributed
@@ -597,6 +597,8 @@ class ServerEngine:
             raise ValueError("rollout.placement=separate needs rollout servers: "
                              "rollout.num_ranks > 0 or rollout.server_urls")
         self.cfg, self.urls = cfg, [u.rstrip("/") for u in urls]
+        # the job's own rollout ranks serve until the trainer's shutdown tells them to end
+        self.owns_rollout_ranks = owns_rollout_ranks
         self.timeout_s = timeout_s
         self.rank = distributed.get_rank()
         self.driver = self.rank == 0
@@ -777,20 +779,29 @@ class ServerEngine:
         if self.weights is not None:
             self.weights.plan(streamer)
 
-    def load_weights(self, weights, version: Optional[int] = None) -> dict[str, float]:
-        """One weight update of every server from ``(hf_name, full tensor)`` pairs (every
-        trainer rank walks the same stream: its gathers are collectives; rank 0 sends), the
-        servers' weight version set to ``version``, their prefix caches reset."""
+    # the weight-update lifecycle (rlep_megatron.weight_sync.lifecycle): every trainer rank
+    # walks the same stream (its gathers are collectives); global rank 0 sends
+    def start_weight_update(self) -> None:
         self._incomplete_reason = "a weight sync was started and has not completed"
-        started = time.perf_counter()
         if self.weights is not None:
-            count = self.weights.send(weights, None if version is None else str(version))
+            self.weights.start()
+
+    def send_weights(self, weights) -> None:
+        if self.weights is not None:
+            self.weights.send(weights)
         else:
-            count = {"tensors": 0, "bytes": 0}
-            for _ in count_tensors(weights, count):
+            for _ in weights:
                 pass
+
+    def finish_weight_update(self, version: Optional[int] = None) -> None:
+        """The servers' weight version becomes ``version``; their prefix caches are reset."""
+        if self.weights is not None:
+            self.weights.finish(None if version is None else str(version))
         self._incomplete_reason = None
-        return {**count, "seconds": time.perf_counter() - started}
+
+    def abort_weight_update(self, error: BaseException, tensors_sent: int) -> None:
+        self._incomplete_reason = (f"the last weight sync failed after {tensors_sent} "
+                                   f"tensors with {type(error).__name__}: {error}")
 
     # ------------------------------------------------------------------ memory
 
@@ -799,7 +810,7 @@ class ServerEngine:
         """Nothing to hand over: the servers keep their devices."""
         yield
 
-    def release(self) -> None:
+    def abandon(self) -> None:
         """After a trainer failure, best effort: requests in flight are aborted and the
         servers resumed, so that a server outliving the job is left usable."""
         if self.clients is None:
@@ -810,13 +821,19 @@ class ServerEngine:
                 client.call("POST", "/abort_requests", json={}, timeout=5)
                 client.call("POST", "/resume", timeout=5)
 
-    def shutdown(self) -> None:
+    def shutdown(self, process_ending: bool = False) -> None:
+        """The transfer group closed on both ends; the job's own rollout ranks told to end.
+        Always done, whether the process ends next or not: the servers outlive it."""
+        from rlep_megatron import distributed
+
         if self.clients is not None:
             self.health.closed.set()
             self.weights.close()
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+        if self.owns_rollout_ranks and self.driver:
+            distributed.job_store().set(distributed.ROLLOUT_DONE_KEY, "1")
 
 
 def serve_rollout_rank(cfg, index: int) -> None:

@@ -16,15 +16,6 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 
-def count_tensors(weights: Iterable[tuple[str, torch.Tensor]], count: dict
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights``, counting the tensors and bytes that pass into ``count``."""
-    for name, tensor in weights:
-        count["tensors"] += 1
-        count["bytes"] += tensor.numel() * tensor.element_size()
-        yield name, tensor
-
-
 def _synchronize_device(device: torch.device) -> None:
     torch.cuda.current_stream(device).synchronize()
 
@@ -122,24 +113,31 @@ class ServerWeights:
         if self.source is not None:
             plan_source(self.source, streamer)
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]], label: Optional[str]) -> dict:
-        """One update of every server; ``label`` becomes their weight version, and their
-        prefix caches are reset. Returns the tensors and bytes sent."""
+    # one update of every server (the lifecycle of rlep_megatron.weight_sync.lifecycle)
+    def start(self) -> None:
+        if self.source is None:  # vLLM's NCCL engine starts the update inside its send
+            self.transfer.start_update()
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.source is not None:  # vLLM's NCCL engine reads a source
-            count = {"tensors": 0, "bytes": 0}
             # one bucket at a time, each tensor complete before vLLM's side streams read it
-            self.source.pairs = produced(count_tensors(weights, count))
+            self.source.pairs = produced(weights)
             # PyNccl has no watchdog: a server that stalls inside the broadcast (while its
             # /health still answers) would block this rank for ever
             within_deadline(self.transfer.send_weights, self.timeout_s,
                             f"the weight transfer to the rollout server(s) {self.servers}")
             self.source.pairs = iter(())
+        else:
+            self.transfer.send_stream(weights)
+
+    def finish(self, label: Optional[str]) -> None:
+        """``label`` becomes the servers' weight version; their prefix caches are reset."""
+        if self.source is not None:
             if label is not None:
                 self.clients.update_weight_version(label)
         else:
-            count = self.transfer.send_weights(weights, label)
+            self.transfer.finish_update(label)
         self.clients.reset_prefix_cache()
-        return count
 
     def close(self) -> None:
         """Both ends drop the transfer group: this trainer's engine, and the servers, which

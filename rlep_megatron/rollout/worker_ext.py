@@ -1,6 +1,6 @@
-"""vLLM worker extension: the engine-side entry point of weight sync (vLLM mixes this class into
-its worker; methods are prefixed ``rlep_`` so they never shadow vLLM's own, e.g. the worker's
-``update_weights``)."""
+"""vLLM worker extension: the engine-side entry points of weight sync and routing capture (vLLM
+mixes this class into its worker; methods are prefixed ``rlep_`` so they never shadow vLLM's own,
+e.g. the worker's ``start_weight_update``)."""
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -9,25 +9,38 @@ import torch
 
 
 class RolloutWorkerExtension:
-    def rlep_reload_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load checkpoint-format ``(hf_name, full tensor)`` pairs in place through vLLM's
-        layer-wise ``reload_weights`` (each layer is re-processed for its kernels once all of
-        its tensors arrived; the CPU MoE experts padded and packed as at load,
-        :func:`~rlep_megatron.platform.process_cpu_moe_experts_on_reload`), then repack a tied
-        CPU LM-head's kernel. Returns the layers refreshed or re-processed."""
-        from rlep_megatron import platform
+    """The colocated engine's end of the weight-update lifecycle (start -> buckets -> finish,
+    :mod:`rlep_megatron.weight_sync.lifecycle`), the steps of
+    :mod:`rlep_megatron.rollout.vllm_reload`."""
 
-        platform.process_cpu_moe_experts_on_reload()
-        before = platform.cpu_moe_layers_reprocessed()
-        self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings",
-                            False))
-        model = self.model_runner.get_model()
+    def rlep_start_weight_update(self) -> None:
+        from rlep_megatron import platform
+        from rlep_megatron.rollout import vllm_reload
+
+        self._rlep_reprocessed_before = platform.cpu_moe_layers_reprocessed()
+        vllm_reload.begin(self.model_runner.get_model())
+
+    def rlep_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from rlep_megatron.rollout import vllm_reload
+
+        vllm_reload.load(self.model_runner.get_model(), weights)
+
+    def rlep_finish_weight_update(self) -> int:
+        """Returns the layers refreshed or re-processed (tied LM-head kernels, CPU MoE
+        experts)."""
+        from rlep_megatron import platform
+        from rlep_megatron.rollout import vllm_reload
+
+        runner = self.model_runner
+        refreshed = vllm_reload.finish(runner.get_model(), runner.model_config)
+        # what vLLM's own in-place reload resets after new weights
+        runner.reset_lora_state()
+        runner.reset_encoder_cache()
+        runner.reset_mm_cache()
         capture = getattr(self, "_rlep_routing", None)
         if capture is not None:
             capture.reset_prefixes()  # the caller resets the prefix cache too
-        return (platform.refresh_vllm_cpu_embedding_kernels(model, tied)
-                + platform.cpu_moe_layers_reprocessed() - before)
+        return refreshed + platform.cpu_moe_layers_reprocessed() - self._rlep_reprocessed_before
 
     def rlep_capture_routing(self, num_layers: int, topk: int) -> Optional[str]:
         """Start capturing each request's routed experts

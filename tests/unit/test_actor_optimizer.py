@@ -160,11 +160,14 @@ class FakeVLLM:
         self.calls.append(f"engine wakes {tags}")
 
     def collective_rpc(self, method, args=()):
-        assert method == "rlep_reload_weights"
-        for _ in args[0]:
-            pass
-        self.weights_valid = True
-        self.calls.append("weights synced")
+        assert method in ("rlep_start_weight_update", "rlep_load_weights",
+                          "rlep_finish_weight_update"), method
+        if method == "rlep_load_weights":
+            for _ in args[0]:
+                pass
+        if method == "rlep_finish_weight_update":
+            self.weights_valid = True
+            self.calls.append("weights synced")
 
     def reset_prefix_cache(self):
         pass
@@ -199,6 +202,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     import types
 
     from rlep_megatron.actor.learner import LearningSide
+    from rlep_megatron.rollout.scheduler import SynchronousScheduler
     from rlep_megatron.trainer import Trainer
 
     calls = []
@@ -218,7 +222,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
         trainer=types.SimpleNamespace(total_steps=2, validation_interval_steps=0),
         checkpoint=types.SimpleNamespace(save_interval_steps=1))
     learner = LearningSide.__new__(LearningSide)
-    learner.__dict__.update(cfg=cfg, engine=engine, optimizer=optimizer, chunks=[],
+    learner.__dict__.update(cfg=cfg, optimizer=optimizer, chunks=[],
                             streamer=streamer, offload_train_state=True,
                             _train_state_offloaded=True)
     learner.advantage = lambda b: None
@@ -228,7 +232,7 @@ def test_offload_with_a_checkpoint_between_two_steps_keeps_the_engine_usable():
     trainer.__dict__.update(
         cfg=cfg, engine=engine, learner=learner, checkpoints=checkpoints, step=0, metrics=None,
         val_rows=None, rollout=types.SimpleNamespace(next_batch=next_batch),
-        scheduler=types.SimpleNamespace(pause=lambda: None, tail_metrics=dict),
+        scheduler=SynchronousScheduler(engine),
         step_metrics=lambda b, t, o: {}, _log=lambda step, metrics: None)
     cfg.rollout = types.SimpleNamespace(num_samples_per_prompt=1, placement="colocated")
     cfg.trainer.mini_batch_size, cfg.trainer.mini_batch_unit = 1, "prompts"

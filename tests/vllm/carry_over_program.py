@@ -20,6 +20,7 @@ def main(model_a: str, model_b: str, out_path: str) -> None:
     torch.distributed.init_process_group("gloo")
     from rlep_megatron.config import RolloutConfig
     from rlep_megatron.rollout.engine import RolloutEngine
+    from rlep_megatron.weight_sync import deliver
 
     cfg = RolloutConfig(num_samples_per_prompt=2, max_response_tokens=24)
     engine = RolloutEngine(model_a, cfg, dtype="float32", max_model_len=128, seed=0)
@@ -36,7 +37,7 @@ def main(model_a: str, model_b: str, out_path: str) -> None:
         for _ in range(6):
             requests.step()
         requests.pause(carry_over)
-        engine.load_weights(iter(weights[after].items()))
+        deliver(engine, iter(weights[after].items()))
         requests.resume(version)
         requests.run_until(lambda: requests.finished(phase))
         out[carry_over] = [

@@ -25,7 +25,7 @@ from rlep_megatron.models import layout_limits, num_experts
 from rlep_megatron.rollout import IncompleteWeightsError, RolloutEngine
 from rlep_megatron.actor.forward import actor_logprobs_everywhere
 from rlep_megatron.rollout.parity import probe
-from rlep_megatron.weight_sync import WeightStreamer, sync_weights
+from rlep_megatron.weight_sync import WeightStreamer, deliver, sync_weights
 
 PAD = 256
 PROMPTS = ["What is 12+7?", "Compute 3*(4+5).", "Name a prime above 10.", "2^5 = ?"]
@@ -250,7 +250,7 @@ def main():
                         raise ConnectionError("simulated loss of the weight stream")
                     yield item
             try:
-                engine.load_weights(broken())
+                deliver(engine, broken())
                 entry["fail_raised"] = None
             except ConnectionError as err:
                 entry["fail_raised"] = str(err)
