@@ -216,6 +216,39 @@ EXAMPLES = """examples:
 """
 
 
+def _add_demo_parser(sub) -> None:
+    p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")
+    p_demo.add_argument("--out-dir", default="outputs/tiny", help="work directory")
+    p_demo.add_argument("--long", action="store_true",
+                        help="a longer budget (more steps and seeds) than the quick default")
+    p_demo.add_argument("--seeds", type=int, default=None,
+                        help="training seeds per arm (default: 4 quick, 8 with --long)")
+    p_demo.add_argument("--warm-start-seed", type=int, default=0,
+                        help="seed of the tiny model's initial weights and warm start (the "
+                             "task stays the same); another seed needs another --out-dir")
+    p_demo.add_argument("--arms", default="",
+                        help="comma-separated arms (default baseline,rlep): baseline, rlep "
+                             "(the paper's protocol: (G + M) / G times the baseline's "
+                             "optimizer steps), rlep_equal (replays, as many optimizer steps "
+                             "as the baseline), online (online experience replay), "
+                             "one_step_off (the baseline with trainer.max_staleness=1), "
+                             "separate (the same with a vLLM server of its own, one more "
+                             "process), low_pass and rescue (rlep with that replay.policy), "
+                             "gspo, cispo and dr_grpo (the baseline with that loss)")
+    p_demo.add_argument("--prepare-only", action="store_true",
+                        help="build the task and the warm-started model, then stop (for "
+                             "running the phases by hand, docs/quickstart.md)")
+    p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
+    p_demo.add_argument("--jobs", type=int, default=None,
+                        help="training runs at a time, each with its share of the cores "
+                             "(default: one per core, at most 4; 1: one run at a time with "
+                             "torch's default threads)")
+    p_demo.add_argument("--log-all-ranks", action="store_true")
+    p_demo.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="overrides applied to every run of every arm")
+    p_demo.set_defaults(func=_cmd_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlep", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -286,36 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "prints the command to start them")
     p_init.add_argument("--force", action="store_true", help="replace an existing recipe file")
     p_init.set_defaults(func=_cmd_init)
-    p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")
-    p_demo.add_argument("--out-dir", default="outputs/tiny", help="work directory")
-    p_demo.add_argument("--long", action="store_true",
-                        help="a longer budget (more steps and seeds) than the quick default")
-    p_demo.add_argument("--seeds", type=int, default=None,
-                        help="training seeds per arm (default: 4 quick, 8 with --long)")
-    p_demo.add_argument("--warm-start-seed", type=int, default=0,
-                        help="seed of the tiny model's initial weights and warm start (the "
-                             "task stays the same); another seed needs another --out-dir")
-    p_demo.add_argument("--arms", default="",
-                        help="comma-separated arms (default baseline,rlep): baseline, rlep "
-                             "(the paper's protocol: (G + M) / G times the baseline's "
-                             "optimizer steps), rlep_equal (replays, as many optimizer steps "
-                             "as the baseline), online (online experience replay), "
-                             "one_step_off (the baseline with trainer.max_staleness=1), "
-                             "separate (the same with a vLLM server of its own, one more "
-                             "process), low_pass and rescue (rlep with that replay.policy), "
-                             "gspo, cispo and dr_grpo (the baseline with that loss)")
-    p_demo.add_argument("--prepare-only", action="store_true",
-                        help="build the task and the warm-started model, then stop (for "
-                             "running the phases by hand, docs/quickstart.md)")
-    p_demo.add_argument("--nproc", type=int, default=1, help="torchrun ranks per phase")
-    p_demo.add_argument("--jobs", type=int, default=None,
-                        help="training runs at a time, each with its share of the cores "
-                             "(default: one per core, at most 4; 1: one run at a time with "
-                             "torch's default threads)")
-    p_demo.add_argument("--log-all-ranks", action="store_true")
-    p_demo.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="overrides applied to every run of every arm")
-    p_demo.set_defaults(func=_cmd_demo)
+    _add_demo_parser(sub)
     return parser
 
 

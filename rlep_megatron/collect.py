@@ -81,14 +81,73 @@ def _job_signature(cfg, checkpoint: str, rows) -> str:
     return digest.hexdigest()[:16]
 
 
+def _sample_shard(cfg, engine, scorer, tokenizer, rows, indices, number: int,
+                  version: Optional[int]) -> tuple[list, list, list]:
+    """One shard's questions sampled and scored: per question its correct texts (sampling
+    order), how many of its samples were correct, and the kept answers' behaviour records."""
+    from rlep_megatron.data.prompts import tokenize_prompt
+    from rlep_megatron.distributed import map_across_ranks
+    from rlep_megatron.reward.pool import ScoreRequest
+
+    c = cfg.collect
+    prompts = [tokenize_prompt(tokenizer, rows.messages[r],
+                               cfg.data.max_prompt_tokens).token_ids for r in indices]
+    groups = engine.generate(prompts, n=c.num_samples_per_prompt,
+                             temperature=c.temperature, top_p=c.top_p, top_k=-1,
+                             max_tokens=cfg.rollout.max_response_tokens,
+                             seed=cfg.trainer.seed * 1_000_003 + number)
+    requests = [ScoreRequest(rows.data_source[r], resp.text, rows.ground_truth[r])
+                for r, responses in zip(indices, groups) for resp in responses]
+    results = iter(map_across_ranks(scorer.score, requests))
+    # per question: its correct texts (sampling order) and how many of its samples
+    # were correct; min_correct counts the latter (docs/ALGORITHM.md section 1)
+    correct, counts, behaviour = [], [], []
+    for responses in groups:
+        texts = [resp.text for resp in responses]
+        flags = [bool(next(results)["acc"]) for _ in responses]
+        kept = correct_indices(texts, flags, c.distinct_texts)
+        correct.append([texts[i] for i in kept])
+        counts.append(sum(flags))
+        # what the sampling policy gave each kept answer: replay.correction's input
+        behaviour.append([{"token_ids": responses[i].token_ids,
+                           "logprobs": responses[i].logprobs, "version": version}
+                          if c.save_behaviour else None for i in kept])
+    return correct, counts, behaviour
+
+
+def _write_pool(cfg, rows, shard_dir: str, num_shards: int, out: str, checkpoint: str,
+                tokenizer) -> None:
+    """The finished shards merged into the pool at ``out`` (rank 0), the shards removed."""
+    from rlep_megatron.replay.writer import pool_rows, write_pool
+
+    c = cfg.collect
+    candidates: list[list[str]] = [[] for _ in range(len(rows))]
+    behaviour: list[list] = [[] for _ in range(len(rows))]
+    correct_counts = [0] * len(rows)
+    for number in range(num_shards):
+        with open(os.path.join(shard_dir, f"shard_{number:05d}.json")) as f:
+            shard = json.load(f)
+        for row, texts, count, entries in zip(shard["rows"], shard["correct"],
+                                              shard["correct_counts"],
+                                              shard["behaviour"]):
+            candidates[row], correct_counts[row], behaviour[row] = texts, count, entries
+    num_correct = sum(correct_counts)
+    pool = pool_rows(rows, candidates, min_correct=c.min_correct,
+                     correct_counts=correct_counts, behaviour=behaviour)
+    stats = write_pool(pool, out, tokenizer=tokenizer, extra={
+        "training_questions": len(rows), "samples_per_question": c.num_samples_per_prompt,
+        "min_correct": c.min_correct, "temperature": c.temperature, "top_p": c.top_p,
+        # relative to the pool's directory (the run's, by default)
+        "checkpoint": os.path.relpath(checkpoint, os.path.dirname(os.path.abspath(out))),
+        "sample_accuracy": num_correct / max(1, len(rows) * c.num_samples_per_prompt)})
+    shutil.rmtree(shard_dir, ignore_errors=True)
+    logger.info("wrote pool %s: %s", out, stats)
+
+
 def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = True) -> str:
     """Returns the pool path. ``stop_after_shards`` ends the job early (tests of restarts);
     ``release``: as for :func:`rlep_megatron.rollout.loading.engine_and_scorer`."""
-    from rlep_megatron.data.prompts import tokenize_prompt
     from rlep_megatron.data.schema import read_prompt_files
-    from rlep_megatron.replay.writer import pool_rows, write_pool
-    from rlep_megatron.distributed import map_across_ranks
-    from rlep_megatron.reward.pool import ScoreRequest
     from rlep_megatron.rollout.loading import (checkpoint_kind, engine_and_scorer,
                                                 resolve_checkpoint)
 
@@ -134,28 +193,8 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
                 logger.info("shard %d/%d already finished, skipped", number + 1, len(shards))
                 continue
             faults.check("shard", distributed.get_rank(), number)
-            prompts = [tokenize_prompt(tokenizer, rows.messages[r],
-                                       cfg.data.max_prompt_tokens).token_ids for r in indices]
-            groups = engine.generate(prompts, n=c.num_samples_per_prompt,
-                                     temperature=c.temperature, top_p=c.top_p, top_k=-1,
-                                     max_tokens=cfg.rollout.max_response_tokens,
-                                     seed=cfg.trainer.seed * 1_000_003 + number)
-            requests = [ScoreRequest(rows.data_source[r], resp.text, rows.ground_truth[r])
-                        for r, responses in zip(indices, groups) for resp in responses]
-            results = iter(map_across_ranks(scorer.score, requests))
-            # per question: its correct texts (sampling order) and how many of its samples
-            # were correct; min_correct counts the latter (docs/ALGORITHM.md section 1)
-            correct, counts, behaviour = [], [], []
-            for responses in groups:
-                texts = [resp.text for resp in responses]
-                flags = [bool(next(results)["acc"]) for _ in responses]
-                kept = correct_indices(texts, flags, c.distinct_texts)
-                correct.append([texts[i] for i in kept])
-                counts.append(sum(flags))
-                # what the sampling policy gave each kept answer: replay.correction's input
-                behaviour.append([{"token_ids": responses[i].token_ids,
-                                   "logprobs": responses[i].logprobs, "version": version}
-                                  if c.save_behaviour else None for i in kept])
+            correct, counts, behaviour = _sample_shard(cfg, engine, scorer, tokenizer, rows,
+                                                       indices, number, version)
             if rank0:
                 write_file_atomic(path, json.dumps({"rows": list(indices), "correct": correct,
                                                     "correct_counts": counts,
@@ -169,26 +208,6 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
                 logger.warning("stopping after %d shards as asked", done)
                 return out
         if rank0:
-            candidates: list[list[str]] = [[] for _ in range(len(rows))]
-            behaviour: list[list] = [[] for _ in range(len(rows))]
-            correct_counts = [0] * len(rows)
-            for number in range(len(shards)):
-                with open(os.path.join(shard_dir, f"shard_{number:05d}.json")) as f:
-                    shard = json.load(f)
-                for row, texts, count, entries in zip(shard["rows"], shard["correct"],
-                                                      shard["correct_counts"],
-                                                      shard["behaviour"]):
-                    candidates[row], correct_counts[row], behaviour[row] = texts, count, entries
-            num_correct = sum(correct_counts)
-            pool = pool_rows(rows, candidates, min_correct=c.min_correct,
-                             correct_counts=correct_counts, behaviour=behaviour)
-            stats = write_pool(pool, out, tokenizer=tokenizer, extra={
-                "training_questions": len(rows), "samples_per_question": c.num_samples_per_prompt,
-                "min_correct": c.min_correct, "temperature": c.temperature, "top_p": c.top_p,
-                # relative to the pool's directory (the run's, by default)
-                "checkpoint": os.path.relpath(checkpoint, os.path.dirname(os.path.abspath(out))),
-                "sample_accuracy": num_correct / max(1, len(rows) * c.num_samples_per_prompt)})
-            shutil.rmtree(shard_dir, ignore_errors=True)
-            logger.info("wrote pool %s: %s", out, stats)
+            _write_pool(cfg, rows, shard_dir, len(shards), out, checkpoint, tokenizer)
         distributed.barrier()
     return out

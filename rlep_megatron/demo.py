@@ -488,6 +488,35 @@ def _check_settings(out_dir: str, warm_start_seed: int) -> None:
                           f"give another --out-dir")
 
 
+def _collect_pool(recipes: str, common: list[str], source: str, pool: str, out_dir: str,
+                  nproc: int, seed: int, steps: int) -> None:
+    print(f"collecting the experience pool from baseline seed {seed} at its final "
+          f"step {steps} ...", flush=True)
+    seconds = _run(["collect", "--config", os.path.join(recipes, "tiny_cpu_rlep.yaml"),
+                    *common, f"collect.checkpoint={source}", f"collect.output_file={pool}",
+                    f"trainer.output_dir={out_dir}"], nproc,
+                   os.path.join(out_dir, "collect.log"))
+    print(f"collect: done in {seconds:.0f} s", flush=True)
+
+
+def _pool_stats(pool: str, source: str, out_dir: str, steps: int, seed: int) -> dict:
+    """The pool's statistics, checked to come from this demo's final baseline checkpoint."""
+    with open(os.path.splitext(pool)[0] + ".stats.json") as f:
+        stats = json.load(f)
+    # a pool left by a demo of another length (say a quick one before --long) came from
+    # another checkpoint: refused rather than reported as this run's
+    if stats.get("checkpoint") != os.path.relpath(source, out_dir):
+        raise FileExistsError(f"{pool} was collected from {stats.get('checkpoint')}"
+                              f", not from this demo's final baseline checkpoint "
+                              f"{os.path.relpath(source, out_dir)}; remove it (and its "
+                              "rlep runs) or give another --out-dir")
+    stats["source_step"] = steps
+    print(f"pool: {stats['questions']} of {stats['training_questions']}"
+          f" training questions, {stats['answers']} answers, from baseline seed "
+          f"{seed}'s step {steps} (its final checkpoint)", flush=True)
+    return stats
+
+
 def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
              seeds: Optional[int] = None, overrides: Optional[list[str]] = None,
              warm_start_seed: int = 0, prepare_only: bool = False,
@@ -557,27 +586,9 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     # pool): here the first seed's, at its last step
     source = os.path.join(run_dir("baseline", seed_list[0]), "checkpoints", f"step_{steps:08d}")
     if any(arm in POOLED_ARMS for arm in arms) and not os.path.isfile(pool):
-        print(f"collecting the experience pool from baseline seed {seed_list[0]} at its final "
-              f"step {steps} ...", flush=True)
-        seconds = _run(["collect", "--config", os.path.join(recipes, "tiny_cpu_rlep.yaml"),
-                        *common, f"collect.checkpoint={source}", f"collect.output_file={pool}",
-                        f"trainer.output_dir={out_dir}"], nproc,
-                       os.path.join(out_dir, "collect.log"))
-        print(f"collect: done in {seconds:.0f} s", flush=True)
+        _collect_pool(recipes, common, source, pool, out_dir, nproc, seed_list[0], steps)
     if os.path.isfile(pool):
-        with open(os.path.splitext(pool)[0] + ".stats.json") as f:
-            summary["pool"] = json.load(f)
-        # a pool left by a demo of another length (say a quick one before --long) came from
-        # another checkpoint: refused rather than reported as this run's
-        if summary["pool"].get("checkpoint") != os.path.relpath(source, out_dir):
-            raise FileExistsError(f"{pool} was collected from {summary['pool'].get('checkpoint')}"
-                                  f", not from this demo's final baseline checkpoint "
-                                  f"{os.path.relpath(source, out_dir)}; remove it (and its "
-                                  "rlep runs) or give another --out-dir")
-        summary["pool"]["source_step"] = steps
-        print(f"pool: {summary['pool']['questions']} of {summary['pool']['training_questions']}"
-              f" training questions, {summary['pool']['answers']} answers, from baseline seed "
-              f"{seed_list[0]}'s step {steps} (its final checkpoint)", flush=True)
+        summary["pool"] = _pool_stats(pool, source, out_dir, steps, seed_list[0])
     _run_all(each(arms[1:]), jobs)
 
     curves = {arm: [read_curves(os.path.join(run_dir(arm, s), "metrics.jsonl"))

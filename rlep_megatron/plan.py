@@ -400,10 +400,11 @@ def checked_fixes(cfg: RunConfig, hf_config: dict, gpus: int, gpus_per_node: int
     return found[:4]
 
 
-def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float],
-          mfu: float, gpu: str, spec: str) -> dict[str, Any]:
+def _check_plan_inputs(cfg: RunConfig, hf_config: dict, gpus: int,
+                       gpu_mem_gib: Optional[float], mfu: float, gpu: str):
+    """The plan's inputs checked; ``(training GPUs, job GPUs, usable GiB, separate)``."""
     from rlep_megatron.distributed import validate_parallel_layout
-    from rlep_megatron.models import layout, layout_limits, llama_family, num_experts
+    from rlep_megatron.models import layout_limits
 
     if gpu not in PEAK_TFLOPS:
         raise ValueError(f"--gpu must be one of {sorted(PEAK_TFLOPS)}, got {gpu!r}")
@@ -427,16 +428,22 @@ def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[floa
     if not separate and gpus % cfg.rollout.tensor_model_parallel_size:
         raise ValueError(f"rollout.tensor_model_parallel_size="
                          f"{cfg.rollout.tensor_model_parallel_size} does not divide {gpus} GPUs")
-    gpu_bytes = gpu_mem_gib * GIB
-    dtype_bytes = 4 if cfg.model.params_dtype == "float32" else 2
+    return gpus, job_gpus, gpu_mem_gib, separate
+
+
+def _stage_memory(cfg: RunConfig, hf_config: dict, stages, gpus: int, dtype_bytes: int,
+                  rollout_budget: float, separate: bool, spec: str) -> list[dict]:
+    """Per pipeline stage: its parameters, gradients, optimizer state, activations, logits and
+    reference bytes, and its peaks while training and while vLLM generates."""
+    from rlep_megatron.models import layout, llama_family
+
+    par = cfg.parallel
     tp, pp, ep = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                   par.expert_model_parallel_size)
     dp = gpus // (tp * pp * par.context_parallel_size)
     expert_dp = gpus // (pp * ep * tp)
-    stages = stage_params(hf_config, cfg, gpus)
-    dims = llama_family.dims_from_config(hf_config)
-    padded_vocab = layout.padded_vocab_size(dims.vocab_size, tp)
-    total = _total_params(hf_config, stages, cfg)
+    padded_vocab = layout.padded_vocab_size(llama_family.dims_from_config(hf_config).vocab_size,
+                                            tp)
     # context parallelism splits every sequence: each rank holds 1 / CP of a micro-batch
     tokens = cfg.trainer.micro_batch_max_tokens / par.context_parallel_size
     # optimizer: fp32 master copy (16-bit models) + Adam's two moments, sharded over
@@ -445,16 +452,6 @@ def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[floa
     if dtype_bytes != 4 and cfg.optim.grad_reduce_dtype != "float32":
         per_param_state += 4  # the float32 copy of the 16-bit gradient shard at each step
     reference = 0.0 if cfg.algo.kl_coef <= 0 or cfg.algo.reference_offload else 1.0
-    rollout = vllm_bytes(hf_config, cfg, total["total_params"], gpu_bytes, dtype_bytes)
-    if separate and cfg.rollout.num_ranks and rollout["kv_cache"] <= 0:
-        raise ValueError(
-            f"rollout.num_ranks: each rollout rank serves the whole model on one GPU, and "
-            f"{total['total_params'] / 1e9:.1f}B parameters take "
-            f"{rollout['weights'] / GIB:.1f} GiB, more than its budget of "
-            f"{rollout['budget'] / GIB:.1f} GiB (rollout.server_gpu_memory_utilization="
-            f"{cfg.rollout.server_gpu_memory_utilization:g} of {gpu_mem_gib:g} GiB, "
-            f"{VLLM_WORKSPACE_GIB:g} GiB of it workspace): start tensor-parallel vLLM servers "
-            "yourself and give them as rollout.server_urls (docs/ASYNC.md)")
     per_stage = []
     # gradient buffers: float32, or the parameters' dtype with optim.grad_reduce_dtype=bfloat16
     grad_bytes = 4 if cfg.optim.grad_reduce_dtype == "float32" else dtype_bytes
@@ -475,12 +472,12 @@ def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[floa
         params = (grad_elements if cfg.optim.use_distributed_optimizer else numel) * dtype_bytes
         ref = reference * numel * dtype_bytes
         sleeping = (0.0 if cfg.rollout.enable_sleep_mode or separate
-                    else rollout["budget"])
+                    else rollout_budget)
         train_peak = (params + grads + optim + chosen + logits + ref + sleeping
                       + OVERHEAD_GIB * GIB)
         resident = params + ref + (0.0 if cfg.optim.offload_during_rollout else grads + optim)
         # separate: the rollout GPU holds the server alone (same for every stage)
-        rollout_peak = (rollout["budget"] if separate else resident + rollout["budget"]
+        rollout_peak = (rollout_budget if separate else resident + rollout_budget
                         ) + OVERHEAD_GIB * GIB
         per_stage.append({
             "stage": index, "layers": counted.layers, "params": numel,
@@ -491,6 +488,34 @@ def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[floa
             "in_flight_micro_batches": act["in_flight_micro_batches"],
             "logits_bytes": logits, "reference_bytes": ref,
             "train_peak_gib": train_peak / GIB, "rollout_peak_gib": rollout_peak / GIB})
+    return per_stage
+
+
+def _plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float],
+          mfu: float, gpu: str, spec: str) -> dict[str, Any]:
+    from rlep_megatron.models import num_experts
+
+    gpus, job_gpus, gpu_mem_gib, separate = _check_plan_inputs(cfg, hf_config, gpus,
+                                                               gpu_mem_gib, mfu, gpu)
+    par = cfg.parallel
+    gpu_bytes = gpu_mem_gib * GIB
+    dtype_bytes = 4 if cfg.model.params_dtype == "float32" else 2
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    dp = gpus // (tp * pp * par.context_parallel_size)
+    stages = stage_params(hf_config, cfg, gpus)
+    total = _total_params(hf_config, stages, cfg)
+    rollout = vllm_bytes(hf_config, cfg, total["total_params"], gpu_bytes, dtype_bytes)
+    if separate and cfg.rollout.num_ranks and rollout["kv_cache"] <= 0:
+        raise ValueError(
+            f"rollout.num_ranks: each rollout rank serves the whole model on one GPU, and "
+            f"{total['total_params'] / 1e9:.1f}B parameters take "
+            f"{rollout['weights'] / GIB:.1f} GiB, more than its budget of "
+            f"{rollout['budget'] / GIB:.1f} GiB (rollout.server_gpu_memory_utilization="
+            f"{cfg.rollout.server_gpu_memory_utilization:g} of {gpu_mem_gib:g} GiB, "
+            f"{VLLM_WORKSPACE_GIB:g} GiB of it workspace): start tensor-parallel vLLM servers "
+            "yourself and give them as rollout.server_urls (docs/ASYNC.md)")
+    per_stage = _stage_memory(cfg, hf_config, stages, gpus, dtype_bytes, rollout["budget"],
+                              separate, spec)
     worst_train = max(per_stage, key=lambda s: s["train_peak_gib"])
     worst_rollout = max(per_stage, key=lambda s: s["rollout_peak_gib"])
     fits_train = worst_train["train_peak_gib"] <= gpu_mem_gib

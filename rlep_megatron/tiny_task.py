@@ -286,20 +286,11 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlep_megatron.staging import staged_output
-
     if steps < 1:
         raise ValueError(f"warm-start steps must be >= 1, got {steps}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    examples = [json.loads(line) for line in open(solutions_path)]
-    encoded = []
-    for ex in examples:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": ex["question"]}],
-                                               tokenize=False, add_generation_prompt=True)
-        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r_ids = tokenizer(ex["solution"], add_special_tokens=False)["input_ids"]
-        encoded.append((p_ids, r_ids + [tokenizer.eos_token_id]))
+    encoded = _encode_solutions(tokenizer, solutions_path)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -348,6 +339,28 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
               "greedy_max_new_tokens": budget,
               "solutions": os.path.relpath(solutions_path, model_dir),  # from the model's dir
               **result, **(extra_record or {})}
+    _write_warm_started(model, model_dir, record)
+    return result
+
+
+def _encode_solutions(tokenizer, solutions_path: str) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, solution ids + EOS)`` of every line of ``solutions_path``."""
+    encoded = []
+    for line in open(solutions_path):
+        ex = json.loads(line)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": ex["question"]}],
+                                               tokenize=False, add_generation_prompt=True)
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r_ids = tokenizer(ex["solution"], add_special_tokens=False)["input_ids"]
+        encoded.append((p_ids, r_ids + [tokenizer.eos_token_id]))
+    return encoded
+
+
+def _write_warm_started(model, model_dir: str, record: dict) -> None:
+    """The trained weights over ``model_dir``'s (its other files kept), with the record, in one
+    atomic replacement."""
+    from rlep_megatron.staging import staged_output
+
     with staged_output(model_dir, replace_existing=True) as staging:
         for name in os.listdir(model_dir):
             if not name.endswith(".safetensors") and name != WARM_START_RECORD:
@@ -358,7 +371,6 @@ def warm_start(model_dir: str, solutions_path: str, steps: int, lr: float = 1e-3
         model.save_pretrained(staging, safe_serialization=True)
         with open(os.path.join(staging, WARM_START_RECORD), "w") as f:
             json.dump(record, f, indent=1)
-    return result
 
 
 def greedy_accuracy(model, tokenizer, parquet: str, limit: int = 64,

@@ -88,34 +88,15 @@ def match_expert_parallel_count(micro_batches: list, chunks: list[torch.nn.Modul
     return micro_batches + [filler or micro_batches[0]] * extra
 
 
-def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
-                      input_ids: torch.Tensor, micro_batch_size: int = 4,
-                      temperature: float = 1.0, with_entropy: bool = False,
-                      lengths: Optional[torch.Tensor] = None,
-                      pack_max_tokens: Optional[int] = None
-                      ) -> Optional[dict[str, torch.Tensor]]:
-    """Log-probs of every token given its prefix.
-
-    Args:
-        input_ids: ``[n, seq]`` right-padded token ids, identical on every rank.
-        micro_batch_size: rows per micro-batch (padded micro-batches).
-        lengths: ``[n]`` tokens of each row (default: every column); only packing reads it.
-        pack_max_tokens: pack the sequences (actor/packing.py) into micro-batches of at most
-            this many tokens instead of padded micro-batches of ``micro_batch_size`` rows.
-
-    Returns (last pipeline stage only): ``{"logp": [n, seq], "entropy": [n, seq]}`` where
-    column t is about token t given tokens < t; column 0 is 0 (no prefix). Values at padded
-    positions are meaningless (0 when packed): mask them with the sequence lengths.
-    """
+def _logprob_micro_batches(chunks, input_ids: torch.Tensor, micro_batch_size: int,
+                           lengths: Optional[torch.Tensor], pack_max_tokens: Optional[int]):
+    """``(row groups, micro-batches, schedule shape)`` of :func:`sequence_logprobs`: packed, or
+    padded rows; the same number of micro-batches on every expert-parallel rank."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rlep_megatron.actor import packing
 
     n, seq_len = input_ids.shape
-    device = next(chunks[0].parameters()).device
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp_rank = ps.get_tensor_model_parallel_rank()
     interleaved = len(chunks) > 1
     if pack_max_tokens is not None:
         lengths = (torch.full((n,), seq_len, dtype=torch.long) if lengths is None
@@ -147,6 +128,40 @@ def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
 
     # results of micro-batches past len(groups) (fillers) are not read
     batches = match_expert_parallel_count(batches, chunks, no_ones(batches[0]))
+    return groups, batches, shape
+
+
+def sequence_logprobs(chunks: list[torch.nn.Module], info: ActorModelInfo,
+                      input_ids: torch.Tensor, micro_batch_size: int = 4,
+                      temperature: float = 1.0, with_entropy: bool = False,
+                      lengths: Optional[torch.Tensor] = None,
+                      pack_max_tokens: Optional[int] = None
+                      ) -> Optional[dict[str, torch.Tensor]]:
+    """Log-probs of every token given its prefix.
+
+    Args:
+        input_ids: ``[n, seq]`` right-padded token ids, identical on every rank.
+        micro_batch_size: rows per micro-batch (padded micro-batches).
+        lengths: ``[n]`` tokens of each row (default: every column); only packing reads it.
+        pack_max_tokens: pack the sequences (actor/packing.py) into micro-batches of at most
+            this many tokens instead of padded micro-batches of ``micro_batch_size`` rows.
+
+    Returns (last pipeline stage only): ``{"logp": [n, seq], "entropy": [n, seq]}`` where
+    column t is about token t given tokens < t; column 0 is 0 (no prefix). Values at padded
+    positions are meaningless (0 when packed): mask them with the sequence lengths.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rlep_megatron.actor import packing
+
+    n, seq_len = input_ids.shape
+    device = next(chunks[0].parameters()).device
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    interleaved = len(chunks) > 1
+    groups, batches, shape = _logprob_micro_batches(chunks, input_ids, micro_batch_size, lengths,
+                                                    pack_max_tokens)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)

@@ -142,25 +142,12 @@ def _packed_micro_batch(batch: TrainBatch, lengths: torch.Tensor, rows: list[int
     return out
 
 
-def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
-                     info: ActorModelInfo, batch: TrainBatch, algo: AlgoConfig,
-                     micro_batch_max_tokens: int, temperature: float = 1.0,
-                     replay_clip_high: Optional[float] = None,
-                     sequence_packing: bool = False,
-                     routing_replay: Optional[routing.RoutingReplay] = None,
-                     constant_length_tokens: Optional[int] = None) -> dict[str, float]:
-    """Forward/backward over the mini-batch and one optimizer step with the loss ``algo.loss``;
-    returns metrics (same on every rank). With ``batch.ref_logp`` the metrics carry the KL
-    estimators (``kl_k1`` ..., split fresh/replay). ``constant_length_tokens``: the normaliser
-    of ``algo.loss_agg_mode=constant_length`` when ``algo.loss_constant_length_tokens`` is
-    null. ``sequence_packing`` packs the rows into token-balanced micro-batches
-    of at most ``micro_batch_max_tokens`` real tokens (actor/packing.py); otherwise
-    micro-batches are consecutive rows, padded, within rows x longest <= the budget."""
+def _micro_batches(batch: TrainBatch, chunks: list[torch.nn.Module], micro_batch_max_tokens: int,
+                   sequence_packing: bool) -> tuple[list[list[int]], list[dict], dict]:
+    """``(row groups, micro-batches, schedule shape)`` of the mini-batch: packed, or padded
+    consecutive rows; the same number of micro-batches on every expert-parallel rank."""
     from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    device = next(chunks[0].parameters()).device
-    tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     lengths = batch.lengths()
     interleaved = len(chunks) > 1
     if sequence_packing:
@@ -189,6 +176,31 @@ def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
     micro_batches = match_expert_parallel_count(
         micro_batches, chunks, {**no_ones(micro_batches[0]),
                                 "response_mask": torch.zeros_like(micro_batches[0]["response_mask"])})
+    return groups, micro_batches, schedule_shape
+
+
+def train_mini_batch(chunks: list[torch.nn.Module], optimizer: ActorOptimizer,
+                     info: ActorModelInfo, batch: TrainBatch, algo: AlgoConfig,
+                     micro_batch_max_tokens: int, temperature: float = 1.0,
+                     replay_clip_high: Optional[float] = None,
+                     sequence_packing: bool = False,
+                     routing_replay: Optional[routing.RoutingReplay] = None,
+                     constant_length_tokens: Optional[int] = None) -> dict[str, float]:
+    """Forward/backward over the mini-batch and one optimizer step with the loss ``algo.loss``;
+    returns metrics (same on every rank). With ``batch.ref_logp`` the metrics carry the KL
+    estimators (``kl_k1`` ..., split fresh/replay). ``constant_length_tokens``: the normaliser
+    of ``algo.loss_agg_mode=constant_length`` when ``algo.loss_constant_length_tokens`` is
+    null. ``sequence_packing`` packs the rows into token-balanced micro-batches
+    of at most ``micro_batch_max_tokens`` real tokens (actor/packing.py); otherwise
+    micro-batches are consecutive rows, padded, within rows x longest <= the budget."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = next(chunks[0].parameters()).device
+    tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+    interleaved = len(chunks) > 1
+    groups, micro_batches, schedule_shape = _micro_batches(batch, chunks, micro_batch_max_tokens,
+                                                           sequence_packing)
     # token slots the model really processes (padded rows and columns, or the packs' fill)
     counts = global_counts(batch, sum(int(mb["input_ids"].numel()) for mb in micro_batches))
     global_tokens, global_sequences = counts["tokens"], counts["sequences"]

@@ -102,10 +102,48 @@ def __getattr__(name: str):
     return _CLASSES[name]
 
 
+def _rendezvous(init_info, client):
+    """The trainer's end of the group: its TCP store and group rank 0, while the servers join
+    through ``client`` (``/init_weight_transfer_engine``); ``(group, store)``."""
+    world = 1 + init_info.num_workers
+    errors: list[BaseException] = []
+
+    def server_joins():
+        try:
+            client.init_weight_transfer_engine({
+                "master_address": init_info.master_address,
+                "master_port": init_info.master_port, "rank_offset": 1,
+                "world_size": world, "timeout_s": init_info.timeout_s})
+        except BaseException as err:  # reported below, after the join
+            errors.append(err)
+
+    # the store and group rendezvous block until the server's workers join: the
+    # request that makes them join runs meanwhile; a refusal ends the wait at once
+    joined: list = []
+
+    def trainer_joins():
+        try:
+            joined.append(_gloo_group(init_info.master_address, init_info.master_port,
+                                      0, world, init_info.timeout_s, is_master=True))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=f, daemon=True)
+               for f in (server_joins, trainer_joins)]
+    for thread in threads:
+        thread.start()
+    _wait(lambda: not any(t.is_alive() for t in threads), errors, init_info.timeout_s,
+          "the rlep_gloo weight transfer's rendezvous with the rollout server(s) "
+          f"{init_info.servers}")
+    return joined[0]
+
+
 def _build() -> dict:
-    from vllm.distributed.weight_transfer.base import (TrainerInitInfo,
-                                                       TrainerWeightTransferEngine,
-                                                       WeightTransferEngine,
+    return {**_build_server_side(), **_build_trainer_side()}
+
+
+def _build_server_side() -> dict:
+    from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
                                                        WeightTransferInitInfo,
                                                        WeightTransferUpdateInfo)
 
@@ -186,6 +224,14 @@ def _build() -> dict:
         def shutdown(self) -> None:
             self.group, self._store = None, None
 
+    return {"GlooInitInfo": GlooInitInfo, "GlooUpdateInfo": GlooUpdateInfo,
+            "GlooWeightTransferEngine": GlooWeightTransferEngine}
+
+
+def _build_trainer_side() -> dict:
+    from vllm.distributed.weight_transfer.base import (TrainerInitInfo,
+                                                       TrainerWeightTransferEngine)
+
     @dataclass
     class GlooTrainerInitInfo(TrainerInitInfo):
         """The trainer's end: where its store listens and how many workers the server has."""
@@ -217,37 +263,7 @@ def _build() -> dict:
                        info=init_info)
             if not self.is_sender:
                 return self
-            world = 1 + init_info.num_workers
-            errors: list[BaseException] = []
-
-            def server_joins():
-                try:
-                    client.init_weight_transfer_engine({
-                        "master_address": init_info.master_address,
-                        "master_port": init_info.master_port, "rank_offset": 1,
-                        "world_size": world, "timeout_s": init_info.timeout_s})
-                except BaseException as err:  # reported below, after the join
-                    errors.append(err)
-
-            # the store and group rendezvous block until the server's workers join: the
-            # request that makes them join runs meanwhile; a refusal ends the wait at once
-            joined: list = []
-
-            def trainer_joins():
-                try:
-                    joined.append(_gloo_group(init_info.master_address, init_info.master_port,
-                                              0, world, init_info.timeout_s, is_master=True))
-                except BaseException as err:
-                    errors.append(err)
-
-            threads = [threading.Thread(target=f, daemon=True)
-                       for f in (server_joins, trainer_joins)]
-            for thread in threads:
-                thread.start()
-            _wait(lambda: not any(t.is_alive() for t in threads), errors, init_info.timeout_s,
-                  "the rlep_gloo weight transfer's rendezvous with the rollout server(s) "
-                  f"{init_info.servers}")
-            self.group, self._store = joined[0]
+            self.group, self._store = _rendezvous(init_info, client)
             return self
 
         def send_weights(self, weights: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
@@ -308,5 +324,5 @@ def _build() -> dict:
         def shutdown(self) -> None:
             self.group, self._store = None, None
 
-    scope = locals()
-    return {name: scope[name] for name in _NAMES}
+    return {"GlooTrainerInitInfo": GlooTrainerInitInfo,
+            "GlooTrainerWeightTransferEngine": GlooTrainerWeightTransferEngine}
