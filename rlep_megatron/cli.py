@@ -158,7 +158,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load_for_job(args)
     if _served_as_rollout_rank(cfg):
         return 0
-    out = run_train(cfg, release=not args.process_ends)
+    out = run_train(cfg, process_ending=args.process_ends)
     logger.info("training finished: %s", out)
     return 0
 
@@ -169,7 +169,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
     cfg = _load_for_job(args)
     if _served_as_rollout_rank(cfg):
         return 0
-    run_collect(cfg, release=not args.process_ends)
+    run_collect(cfg, process_ending=args.process_ends)
     return 0
 
 
@@ -179,7 +179,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     cfg = _load_for_job(args)
     if _served_as_rollout_rank(cfg):
         return 0
-    run_eval(cfg, release=not args.process_ends)
+    run_eval(cfg, process_ending=args.process_ends)
     return 0
 
 

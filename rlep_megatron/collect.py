@@ -32,17 +32,10 @@ logger = logging.getLogger(__name__)
 SHARD_FORMAT = 4
 
 
-def correct_answers(texts: list[str], correct: list[bool], distinct: bool) -> tuple[list[str], int]:
-    """One question's pool answers and its number of correct samples: the correct texts in
-    sampling order (duplicates kept unless ``distinct``) and how many samples were correct
-    (duplicates always count)."""
-    kept = [texts[i] for i in correct_indices(texts, correct, distinct)]
-    return kept, sum(map(bool, correct))
-
-
 def correct_indices(texts: list[str], correct: list[bool], distinct: bool) -> list[int]:
-    """The samples :func:`correct_answers` keeps, by index (the first of equal texts when
-    ``distinct``)."""
+    """The samples of one question that go into the pool, by index: the correct ones in
+    sampling order, duplicates kept unless ``distinct`` (then the first of equal texts); the
+    question's count of correct samples counts every duplicate."""
     kept, seen = [], set()
     for index, (text, ok) in enumerate(zip(texts, correct)):
         if ok and not (distinct and text in seen):
@@ -144,9 +137,10 @@ def _write_pool(cfg, rows, shard_dir: str, num_shards: int, out: str, checkpoint
     logger.info("wrote pool %s: %s", out, stats)
 
 
-def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = True) -> str:
+def run_collect(cfg, stop_after_shards: Optional[int] = None,
+                process_ending: bool = False) -> str:
     """Returns the pool path. ``stop_after_shards`` ends the job early (tests of restarts);
-    ``release``: as for :func:`rlep_megatron.rollout.loading.engine_and_scorer`."""
+    ``process_ending``: as for :func:`rlep_megatron.rollout.loading.engine_and_scorer`."""
     from rlep_megatron.data.schema import read_prompt_files
     from rlep_megatron.rollout.loading import (checkpoint_kind, engine_and_scorer,
                                                 resolve_checkpoint)
@@ -169,7 +163,8 @@ def run_collect(cfg, stop_after_shards: Optional[int] = None, release: bool = Tr
     shard_dir = out + ".shards"
     signature = _job_signature(cfg, checkpoint, rows)
     shards = _shard_ranges(len(rows), c.num_shards)
-    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed, release) as (engine, scorer):
+    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed, process_ending) as (engine,
+                                                                             scorer):
         rank0 = distributed.is_rank0()
         if rank0:
             os.makedirs(shard_dir, exist_ok=True)

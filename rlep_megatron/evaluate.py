@@ -125,10 +125,10 @@ def evaluate_policy(engine, scorer, rows, k: int, temperature: float, top_p: flo
     return evaluate_samples(questions, k)
 
 
-def run_eval(cfg, release: bool = True) -> dict[str, dict[str, float]]:
+def run_eval(cfg, process_ending: bool = False) -> dict[str, dict[str, float]]:
     """``rlep eval``: a checkpoint on the eval files; writes the JSON report with every sample
     (texts, correctness, extracted answers) (rank 0) and prints the table. Returns the
-    report. ``release``: as for :func:`rlep_megatron.rollout.loading.engine_and_scorer`."""
+    report. ``process_ending``: as for :func:`rlep_megatron.rollout.loading.engine_and_scorer`."""
     import json
     import os
 
@@ -149,7 +149,8 @@ def run_eval(cfg, release: bool = True) -> dict[str, dict[str, float]]:
     checkpoint_kind(checkpoint)
     out = cfg.eval.output_file or os.path.join(cfg.trainer.output_dir, "eval.json")
     samples: list[dict] = []
-    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed, release) as (engine, scorer):
+    with engine_and_scorer(cfg, checkpoint, cfg.trainer.seed, process_ending) as (engine,
+                                                                             scorer):
         report = evaluate_policy(engine, scorer, rows, cfg.eval.num_samples_per_prompt,
                                  cfg.eval.temperature, cfg.eval.top_p,
                                  cfg.rollout.max_response_tokens, cfg.data.max_prompt_tokens,

@@ -278,12 +278,12 @@ class Trainer:
                    if done > 0 else None)
             logger.info("%s", format_step_line(step, total, metrics, eta))
 
-    def close(self, failed: bool = False, release_engine: bool = True) -> None:
+    def close(self, failed: bool = False, process_ending: bool = False) -> None:
         """Release the run's resources. After a failure only this process's own (metrics
         file, scorer workers) and, best effort, what outlives the job (the engine's
         ``abandon``): the other ranks may be anywhere, so no collective is entered (the caller
-        then ends the process, see ``cli.main``). ``release_engine=False``: the process ends
-        right after, and the engine's teardown is left to it where it can be."""
+        then ends the process, see ``cli.main``). ``process_ending``: the process ends right
+        after, and the engine's teardown is left to it where it can be."""
         if self.metrics is not None:
             self.metrics.close()
         self.rollout.close()
@@ -291,20 +291,20 @@ class Trainer:
             self.engine.abandon()
             return
         distributed.barrier()
-        self.engine.shutdown(process_ending=not release_engine)
+        self.engine.shutdown(process_ending=process_ending)
 
 
-def run_train(cfg: RunConfig, release: bool = True) -> str:
+def run_train(cfg: RunConfig, process_ending: bool = False) -> str:
     """``rlep train``: returns the output directory. Everything the run writes is complete
-    when it returns; ``release=False`` (a process that ends right after) leaves the engine and
-    the process group to the end of the process."""
+    when it returns; ``process_ending`` (a process that ends right after) leaves the engine's
+    teardown and the process group to the end of the process."""
     trainer = Trainer(cfg)
     try:
         trainer.run()
     except BaseException:
         trainer.close(failed=True)
         raise
-    trainer.close(release_engine=release)
-    if release:
+    trainer.close(process_ending=process_ending)
+    if not process_ending:
         distributed.destroy()
     return cfg.trainer.output_dir

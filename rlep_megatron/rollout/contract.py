@@ -8,8 +8,12 @@ rollout engine and on its request driver. Two backends implement it:
 
 Callers use these members only, never a probe (``hasattr``) for one backend's extras: where a
 backend has nothing to do (the servers keep their devices, so ``released`` is a no-op there;
-the colocated engine needs no weight plan), it implements the member as a no-op. A test checks
-that both backends implement every member.
+the colocated engine needs no weight plan), it implements the member as a no-op; what differs
+in behaviour is a declared capability (``overlaps_training``, ``capturing_routing``,
+``routing_unavailable``). Engines are built by :mod:`rlep_megatron.rollout.factory` only. A
+test checks that both backends implement every member, and another drives the loop, the
+schedulers and the weight lifecycle with an engine written against this file alone
+(``tests/unit/test_engine_contract_loop.py``).
 """
 from __future__ import annotations
 
@@ -48,6 +52,10 @@ class RequestDriver(Protocol):
 class InferenceEngine(Protocol):
     """A rollout engine: generation, the weight stream's destination and, where it shares the
     devices with training, the memory hand-off."""
+
+    eos_token_id: int
+    """The tokenizer's end-of-sequence id (ends every replayed answer; pads rows without a pad
+    token)."""
 
     routing_unavailable: Optional[str]
     """Why the engine cannot give MoE routing (``None``: it can)."""

@@ -96,15 +96,15 @@ def _load_hf_checkpoint(engine, checkpoint: str) -> None:
 
 
 @contextlib.contextmanager
-def engine_and_scorer(cfg, checkpoint: str, seed: int, release: bool = True):
+def engine_and_scorer(cfg, checkpoint: str, seed: int, process_ending: bool = False):
     """``with engine_and_scorer(cfg, checkpoint, seed) as (engine, scorer):`` the engine of
     :func:`open_engine` (prompt + response budget of ``cfg``) and a scorer pool, for the jobs
     that only sample and score (``rlep collect``, ``rlep eval``). A normal exit shuts both down
-    together with the process group (``release=False``: the scorer only, after a barrier; the
-    engine and the process group are left to the end of the process, which the CLI ends at
-    once); after an exception only this process's scorer workers are stopped: the other ranks
-    may be blocked in a collective, so no collective is entered (the CLI then ends the
-    process)."""
+    together with the process group (``process_ending``: the scorer, after a barrier, and
+    what of the engine outlives the process (the servers); the rest is left to the end of the
+    process, which the CLI ends at once); after an exception only this process's scorer
+    workers are stopped and the engine abandoned: the other ranks may be blocked in a
+    collective, so no collective is entered (the CLI then ends the process)."""
     from rlep_megatron.reward import make_scorer_pool
 
     engine = open_engine(cfg, checkpoint, seed)
@@ -117,8 +117,8 @@ def engine_and_scorer(cfg, checkpoint: str, seed: int, release: bool = True):
         raise
     scorer.close()
     distributed.barrier()
-    engine.shutdown(process_ending=not release)
-    if release:
+    engine.shutdown(process_ending=process_ending)
+    if not process_ending:
         distributed.destroy()
 
 

@@ -51,7 +51,8 @@ class SynchronousScheduler(_WeightUpdates):
     def __init__(self, engine):
         self.engine = engine
 
-    def take(self, side, step: int, round_index: int) -> tuple[list[int], list[list[Response]]]:
+    def next_round(self, side, step: int, round_index: int
+                   ) -> tuple[list[int], list[list[Response]]]:
         """``(rows, responses per row)`` of one generation round of step ``step``."""
         rows = side.sampler.next_global_batch()
         prompts = [side.prompt_ids(side.train_rows, r) for r in rows]
@@ -96,7 +97,8 @@ class AheadScheduler(_WeightUpdates):
                                      request_seed(base, index, n) + sample)
         self.batches[step] = rows
 
-    def take(self, side, step: int, round_index: int) -> tuple[list[int], list[list[Response]]]:
+    def next_round(self, side, step: int, round_index: int
+                   ) -> tuple[list[int], list[list[Response]]]:
         """``(rows, responses per row)`` of step ``step``'s batch, once all of it finished."""
         if round_index:
             raise RuntimeError("trainer.max_staleness >= 1 takes one generation round per "

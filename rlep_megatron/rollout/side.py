@@ -180,7 +180,7 @@ class RolloutSide:
 
     def _generate_round(self, timer, step: int, round_index: int) -> StepBatch:
         with timer.phase("rollout"):
-            rows, groups = self.scheduler.take(self, step, round_index)
+            rows, groups = self.scheduler.next_round(self, step, round_index)
             batch = StepBatch(rows=rows,
                               prompts=[self.prompt_ids(self.train_rows, r) for r in rows])
             for group, responses in enumerate(groups):

@@ -162,14 +162,14 @@ def test_pool_that_matches_no_training_question_is_an_error():
 def test_collection_keeps_every_correct_sample_by_default():
     """The paper's pool: every correct sample of a question (a common answer as often as the
     model wrote it), its count including duplicates; one copy per text is an option."""
-    from rlep_megatron.collect import correct_answers
+    from rlep_megatron.collect import correct_indices
     from rlep_megatron.config import CollectConfig
 
     texts = ["a", "b", "a", "c", "a", "c"]
     correct = [True, False, True, True, False, True]
-    assert correct_answers(texts, correct, distinct=False) == (["a", "a", "c", "c"], 4)
-    assert correct_answers(texts, correct, distinct=True) == (["a", "c"], 4)
-    assert correct_answers(texts, [False] * 6, distinct=False) == ([], 0)
+    assert correct_indices(texts, correct, distinct=False) == [0, 2, 3, 5]
+    assert correct_indices(texts, correct, distinct=True) == [0, 3]
+    assert correct_indices(texts, [False] * 6, distinct=False) == []
     assert CollectConfig().distinct_texts is False
 
 

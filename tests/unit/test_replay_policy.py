@@ -66,7 +66,7 @@ class Scheduler:
     def __init__(self, rounds):
         self.rounds = rounds
 
-    def take(self, side, step, round_index):
+    def next_round(self, side, step, round_index):
         rows, answers = self.rounds[round_index]
         groups = [[Response(i, [1, 2, EOS], [-0.5] * 3, text, "stop")
                    for text in texts] for i, texts in enumerate(answers)]

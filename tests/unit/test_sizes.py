@@ -1,6 +1,6 @@
-"""House limits on the package's shape (docs/STYLE.md; issue of the seams): no function over 100
-lines, no class over 300, and the loop (``trainer.py``) never branches on where the rollout
-runs: placement is chosen when the engine is built (``rollout/factory.py``)."""
+"""House limits on the package's shape: no function over 100 lines, no class over 300, and the
+loop (``trainer.py``) never branches on where the rollout runs: placement is chosen when the
+engine is built (``rollout/factory.py``)."""
 import ast
 import os
 
