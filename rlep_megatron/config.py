@@ -755,7 +755,7 @@ class EvalConfig:
     num_samples_per_prompt: int = 32
     """k: samples per validation/eval question (mean@k, maj@k, best@k, pass@k)."""
     temperature: float = 1.0
-    """Sampling temperature for validation."""
+    """Sampling temperature for validation (0: greedy, with one sample per question)."""
     top_p: float = 1.0
     """Nucleus threshold for validation."""
     output_file: str = ""
@@ -765,6 +765,12 @@ class EvalConfig:
         if self.num_samples_per_prompt < 1:
             raise ValueError(
                 f"eval.num_samples_per_prompt must be >= 1, got {self.num_samples_per_prompt}")
+        if self.temperature < 0:
+            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0 and self.num_samples_per_prompt != 1:
+            raise ValueError("eval.temperature=0 is greedy decoding, which gives one answer per "
+                             "question: set eval.num_samples_per_prompt=1, got "
+                             f"{self.num_samples_per_prompt}")
 
 
 @dataclass(frozen=True)

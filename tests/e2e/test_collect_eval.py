@@ -136,3 +136,39 @@ def test_eval_reports_every_metric(easy, tmp_path):
     # is 1 - (1 - c/4)^4; the estimate's standard error is below 0.016 per question
     expected_best = sum(1 - (1 - sum(f) / 4) ** 4 for f in acc) / 6
     assert table["best@4"] == pytest.approx(expected_best, abs=0.05)
+
+
+def test_eval_and_collect_run_on_the_jobs_own_rollout_server(easy, tmp_path):
+    """``rollout.placement=separate`` with a rollout rank: ``rlep eval`` and ``rlep collect``
+    sample on a vLLM server the job starts (the HF checkpoint's tensors reach it in one weight
+    update; it starts with dummy weights). Greedy decoding gives the colocated engine's answers
+    token for token; the collected pool is the RLEP schema, from the checkpoint it names."""
+    task, model = easy
+
+    def eval_args(out, *extra):
+        return ["eval", "--config", recipe("tiny_cpu_baseline.yaml"), f"model.hf_dir={model}",
+                f"eval.files=[{task['train']}]", f"eval.output_file={out}",
+                "eval.num_samples_per_prompt=1", "eval.temperature=0", "reward.num_workers=1",
+                "rollout.max_response_tokens=32", f"trainer.output_dir={out.parent}", *extra]
+
+    separate = ("rollout.placement=separate", "rollout.num_ranks=1")
+    colocated_out, separate_out = tmp_path / "colocated" / "eval.json", tmp_path / "sep" / "eval.json"
+    run_rlep(eval_args(colocated_out))
+    run_rlep(eval_args(separate_out, *separate), nproc=2)
+    colocated, served = json.load(open(colocated_out)), json.load(open(separate_out))
+    assert [q["responses"] for q in served["samples"]] == \
+        [q["responses"] for q in colocated["samples"]]
+    assert served["report"] == colocated["report"]
+    assert colocated["report"]["tiny_arith"]["mean@1"] > 0.3  # real weights, not dummy ones
+
+    out = tmp_path / "pool.parquet"
+    run_rlep([*collect_args(task, model, out, shards=2), *separate,
+              f"trainer.output_dir={tmp_path}"], nproc=2)
+    rows = read_prompt_file(str(out), behaviour=True)
+    assert pq.read_schema(out).equals(rows_to_table(rows, with_candidates=True).schema)
+    for source, truth, candidates in zip(rows.data_source, rows.ground_truth, rows.candidates):
+        assert candidates and all(compute_score(source, c, truth)["acc"] for c in candidates)
+    ExperiencePool.from_rows(rows).check_matches(read_prompt_file(task["train"]), str(out))
+    stats = json.load(open(tmp_path / "pool.stats.json"))
+    assert stats["checkpoint"] == os.path.relpath(model, tmp_path)
+    assert stats["questions"] >= 3 and stats["sample_accuracy"] > 0.3

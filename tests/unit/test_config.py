@@ -79,6 +79,9 @@ def test_overrides_are_coerced(tmp_path):
     ("trainer.log_all_ranks=maybe", "trainer.log_all_ranks"),
     ("optim.lr=fast", "optim.lr"),
     ("algo.loss_agg_mode=sum", "algo.loss_agg_mode"),
+    ("algo.loss=ppo", "algo.loss"),
+    ("algo.advantage=gae", "algo.advantage"),
+    ("eval.temperature=0", "eval.num_samples_per_prompt=1"),
     ("trainer.seed", "trainer.seed"),
 ])
 def test_bad_override_names_the_key(override, needle):
