@@ -1035,11 +1035,14 @@ _PEER_NAMES = {
     "lr_scheduler_type": "optim.lr_decay",
     "min_lr_ratio": "optim.min_lr",
     "max_num_gen_batches": "algo.max_generation_rounds",
+    "adv_estimator": "algo.advantage",
+    "norm_adv_by_std_in_grpo": "algo.advantage_normalize_std",
 }
 # verl fields whose own name says too little: matched with their parent's name
 _PEER_PATHS = {
     "filter_groups.enable": "algo.dynamic_sampling",
     "filter_groups.max_num_gen_batches": "algo.max_generation_rounds",
+    "policy_loss.loss_mode": "algo.loss",
 }
 
 
