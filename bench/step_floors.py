@@ -213,7 +213,7 @@ def main() -> None:
             train_metrics, train_s = _timed(lambda: learner.train(train_batches, trainer.step))
             train_floor = plain_train(plain, plain_optimizer, train_batches, budget, cfg.algo,
                                       temperature)
-        _, sync_s = _timed(learner.weight_sync)
+        _, sync_s = _timed(trainer.sync_weights)
         sync_floor = copy_floor(trainer)
         trainer.step += 1
         if step < args.warmup:

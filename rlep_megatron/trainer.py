@@ -129,7 +129,7 @@ class Trainer:
         self.learner.connect(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                              else self.engine.eos_token_id, self.engine.routing_unavailable,
                              self.engine.capturing_routing)
-        self.engine.plan_weights(self.learner.streamer)  # the servers: what the stream carries
+        self.engine.plan_weights(self.learner.streamer.plan())  # what the stream will carry
         self.scheduler = build_scheduler(cfg, self.engine, self.ends_at_checkpoint)
         self.rollout = RolloutSide(cfg, self.scheduler, tokenizer, self.engine.eos_token_id,
                                    train_rows, pool)

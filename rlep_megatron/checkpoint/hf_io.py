@@ -87,6 +87,15 @@ class SafetensorsReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The tensor's dtype and shape, from the file's header (nothing read but it)."""
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name!r} not found in {self.hf_dir}")
+        entry = self._header(self.weight_map[name])[0][name]
+        if entry["dtype"] not in _DTYPES:
+            raise ValueError(f"{self.hf_dir}: {name!r} has unsupported dtype {entry['dtype']}")
+        return _DTYPES[entry["dtype"]], tuple(entry["shape"])
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} not found in {self.hf_dir}")

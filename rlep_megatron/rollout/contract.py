@@ -91,8 +91,9 @@ class InferenceEngine(Protocol):
     def weights_incomplete(self) -> bool:
         """True while a weight update has begun and not completed."""
 
-    def plan_weights(self, streamer) -> None:
-        """Before the first update: what the weight stream will carry."""
+    def plan_weights(self, plan: list) -> None:
+        """Before the first update: ``(hf_name, dtype, shape)`` of every tensor the weight
+        stream will carry, in order (``WeightStreamer.plan()``)."""
 
     # the weight-update lifecycle (rlep_megatron.weight_sync.lifecycle.WeightTarget)
     def start_weight_update(self) -> None: ...

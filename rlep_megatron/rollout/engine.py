@@ -381,7 +381,7 @@ class RolloutEngine:
     def weights_incomplete(self) -> bool:
         return self._incomplete_reason is not None
 
-    def plan_weights(self, streamer) -> None:
+    def plan_weights(self, plan: list) -> None:
         """Nothing to plan: each update reloads the tensors that arrive."""
 
     # the weight-update lifecycle (rlep_megatron.weight_sync.lifecycle) over the worker's RPC:

@@ -85,12 +85,15 @@ def _check_same_architecture(checkpoint: str, served: str) -> None:
 
 
 def _load_hf_checkpoint(engine, checkpoint: str) -> None:
-    """Every tensor of an HF checkpoint into ``engine`` in one weight update."""
+    """Every tensor of an HF checkpoint into the servers in one weight update; global rank 0
+    (the rank that sends) reads the files, the other ranks take part in the update with none."""
     from rlep_megatron.checkpoint.hf_io import SafetensorsReader
     from rlep_megatron.weight_sync import deliver
 
     reader = SafetensorsReader(checkpoint)
-    result = deliver(engine, ((name, reader.get(name)) for name in reader.names()))
+    names = reader.names() if distributed.is_rank0() else []
+    engine.plan_weights([(name, *reader.spec(name)) for name in names])
+    result = deliver(engine, ((name, reader.get(name)) for name in names))
     logger.info("loaded %s into the rollout servers (%d tensors, %.2f GB)", checkpoint,
                 result["tensors"], result["bytes"] / 1e9)
 
@@ -140,7 +143,7 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, seed: int):
     load_mcore_weights(chunks, checkpoint, hf_config=hf)
     engine = build_engine(cfg, seed=seed)
     streamer = WeightStreamer(chunks, info, cfg.rollout.weight_sync_bucket_bytes)
-    engine.plan_weights(streamer)
+    engine.plan_weights(streamer.plan())
     result = sync_weights(engine, streamer)
     logger.info("loaded %s into the engine (%d tensors, %.2f GB)", checkpoint,
                 result["tensors"], result["bytes"] / 1e9)

@@ -775,9 +775,9 @@ class ServerEngine:
     def weights_incomplete(self) -> bool:
         return self._incomplete_reason is not None
 
-    def plan_weights(self, streamer) -> None:
+    def plan_weights(self, plan: list) -> None:
         if self.weights is not None:
-            self.weights.plan(streamer)
+            self.weights.plan(plan)
 
     # the weight-update lifecycle (rlep_megatron.weight_sync.lifecycle): every trainer rank
     # walks the same stream (its gathers are collectives); global rank 0 sends

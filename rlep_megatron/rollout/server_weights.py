@@ -107,11 +107,11 @@ class ServerWeights:
                 bucket_bytes=bucket_bytes, rank=0)
             self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=clients)
 
-    def plan(self, streamer) -> None:
+    def plan(self, plan: list) -> None:
         """The names, dtypes and shapes of the weight stream, which vLLM's NCCL engine sends
         ahead of the tensors."""
         if self.source is not None:
-            plan_source(self.source, streamer)
+            plan_source(self.source, plan)
 
     # one update of every server (the lifecycle of rlep_megatron.weight_sync.lifecycle)
     def start(self) -> None:
@@ -120,8 +120,10 @@ class ServerWeights:
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.source is not None:  # vLLM's NCCL engine reads a source
-            # one bucket at a time, each tensor complete before vLLM's side streams read it
-            self.source.pairs = produced(weights)
+            # one bucket at a time, each tensor complete before vLLM's side streams read it;
+            # NCCL sends device memory (a checkpoint read from disk is on the host)
+            self.source.pairs = produced((name, tensor if tensor.is_cuda else tensor.cuda())
+                                         for name, tensor in weights)
             # PyNccl has no watchdog: a server that stalls inside the broadcast (while its
             # /health still answers) would block this rank for ever
             within_deadline(self.transfer.send_weights, self.timeout_s,
@@ -149,12 +151,10 @@ class ServerWeights:
                 client.call("POST", "/shutdown_weight_transfer_engine", timeout=10)
 
 
-def plan_source(source, streamer) -> None:
-    """Give ``source`` (:func:`stream_source`) the plan of ``streamer``'s tensors."""
-    from rlep_megatron.weight_sync.streamer import DTYPES
-
-    source.plan = [(o.name, DTYPES[e.dtype], tuple(o.shape))
-                   for b in streamer.buckets for e in b.entries for o in e.all_outputs]
+def plan_source(source, plan: list) -> None:
+    """Give ``source`` (:func:`stream_source`) the ``(name, dtype, shape)`` of every tensor of
+    the stream, in order."""
+    source.plan = [(name, dtype, tuple(shape)) for name, dtype, shape in plan]
 
 
 def stream_source():

@@ -13,17 +13,25 @@ class RolloutWorkerExtension:
     :mod:`rlep_megatron.weight_sync.lifecycle`), the steps of
     :mod:`rlep_megatron.rollout.vllm_reload`."""
 
+    # each step runs in vLLM's config context, as vLLM's own reload and weight-transfer
+    # routes do (a weight loader or kernel set-up may read the current config)
     def rlep_start_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+
         from rlep_megatron import platform
         from rlep_megatron.rollout import vllm_reload
 
         self._rlep_reprocessed_before = platform.cpu_moe_layers_reprocessed()
-        vllm_reload.begin(self.model_runner.get_model())
+        with set_current_vllm_config(self.vllm_config):
+            vllm_reload.begin(self.model_runner.get_model())
 
     def rlep_load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
         from rlep_megatron.rollout import vllm_reload
 
-        vllm_reload.load(self.model_runner.get_model(), weights)
+        with set_current_vllm_config(self.vllm_config):
+            vllm_reload.load(self.model_runner.get_model(), weights)
 
     def rlep_finish_weight_update(self) -> int:
         """Returns the layers refreshed or re-processed (tied LM-head kernels, CPU MoE
@@ -31,8 +39,11 @@ class RolloutWorkerExtension:
         from rlep_megatron import platform
         from rlep_megatron.rollout import vllm_reload
 
+        from vllm.config import set_current_vllm_config
+
         runner = self.model_runner
-        refreshed = vllm_reload.finish(runner.get_model(), runner.model_config)
+        with set_current_vllm_config(self.vllm_config):
+            refreshed = vllm_reload.finish(runner.get_model(), runner.model_config)
         # what vLLM's own in-place reload resets after new weights
         runner.reset_lora_state()
         runner.reset_encoder_cache()

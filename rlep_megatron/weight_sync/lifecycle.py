@@ -50,14 +50,18 @@ def count_tensors(weights: Iterable[tuple[str, torch.Tensor]], count: dict
 
 
 def deliver(target: WeightTarget, weights: Iterable[tuple[str, torch.Tensor]],
-            version: Optional[int] = None) -> dict[str, float]:
+            version: Optional[int] = None, expected: Optional[int] = None) -> dict[str, float]:
     """One weight update of ``target`` from ``(hf_name, tensor)`` pairs; returns its
-    ``tensors``, ``bytes`` and ``seconds``."""
+    ``tensors``, ``bytes`` and ``seconds``. ``expected``: the tensors the update must have (a
+    stream that ends short fails before the weights are declared complete)."""
     count = {"tensors": 0, "bytes": 0}
     started = time.perf_counter()
     target.start_weight_update()
     try:
         target.send_weights(count_tensors(weights, count))
+        if expected is not None and count["tensors"] != expected:
+            raise RuntimeError(f"weight sync delivered {count['tensors']} of {expected} "
+                               "tensors")
         target.finish_weight_update(version)
     except BaseException as err:
         target.abort_weight_update(err, count["tensors"])
@@ -71,8 +75,4 @@ def sync_weights(target: WeightTarget, streamer, version: Optional[int] = None
     :class:`~rlep_megatron.weight_sync.WeightStreamer`) into the rollout engine, whose weight
     version becomes ``version``. Collective over the trainer's ranks. Checks that every planned
     tensor arrived."""
-    result = deliver(target, streamer.iter_tensors(), version)
-    expected = len(streamer.names)
-    if result["tensors"] != expected:
-        raise RuntimeError(f"weight sync delivered {result['tensors']} of {expected} tensors")
-    return result
+    return deliver(target, streamer.iter_tensors(), version, expected=len(streamer.names))

@@ -171,6 +171,12 @@ class WeightStreamer:
         """Every HF tensor name the stream yields, in order."""
         return [o.name for b in self.buckets for e in b.entries for o in e.all_outputs]
 
+    def plan(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """``(hf_name, dtype, shape)`` of every tensor of the stream, in its order (what a
+        receiver that allocates ahead, vLLM's NCCL engine, is told first)."""
+        return [(o.name, DTYPES[e.dtype], tuple(o.shape))
+                for b in self.buckets for e in b.entries for o in e.all_outputs]
+
     @property
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)

@@ -63,7 +63,7 @@ class ContractEngine:
     def weights_incomplete(self):
         return self.updating or self.version is None
 
-    def plan_weights(self, streamer):
+    def plan_weights(self, plan):
         self.calls.append("plan")
 
     def start_weight_update(self):
@@ -240,6 +240,8 @@ def test_a_failed_update_aborts_and_the_engine_refuses_to_generate():
     short = types.SimpleNamespace(names=["a", "b", "c"], iter_tensors=lambda: iter(WEIGHTS))
     with pytest.raises(RuntimeError, match="delivered 2 of 3 tensors"):
         sync_weights(engine, short, version=4)
+    # a stream that ends short is never declared complete
+    assert engine.calls[-1] == "abort after 2" and engine.weights_incomplete
     result = sync_weights(engine, types.SimpleNamespace(names=["a", "b"],
                                                         iter_tensors=lambda: iter(WEIGHTS)), 5)
     assert (result["tensors"], result["bytes"]) == (2, 2 * 4 + 3 * 8)

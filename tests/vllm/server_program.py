@@ -169,7 +169,7 @@ def main():
         prompts = [chat(p) for p in PROMPTS]
         # the source vLLM's NCCL engine (GPU) would read: its declared metadata is the stream
         source = stream_source()
-        plan_source(source, streamer)
+        plan_source(source, streamer.plan())
         declared = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
         streamed = [(n, str(t.dtype), list(t.shape)) for n, t in streamer.iter_tensors()]
         report["nccl_source_metadata"] = {"equal": declared == streamed,
