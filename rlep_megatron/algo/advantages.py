@@ -13,6 +13,8 @@ from typing import Sequence, Union
 
 import torch
 
+from rlep_megatron.algo.registry import Registry
+
 
 def group_advantages(rewards: torch.Tensor, group_ids: Union[torch.Tensor, Sequence[int]],
                      eps: float = 1e-6, normalize_std: bool = True) -> torch.Tensor:
@@ -59,18 +61,8 @@ def group_advantages(rewards: torch.Tensor, group_ids: Union[torch.Tensor, Seque
 
 # ------------------------------------------------------------------ estimators (algo.advantage)
 
-ADVANTAGE_ESTIMATORS: dict[str, type] = {}
-
-
-def register_advantage(name: str):
-    """Class decorator: the estimator ``algo.advantage=<name>`` builds."""
-    def add(cls):
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"an advantage estimator named {name!r} is already registered")
-        cls.name = name
-        ADVANTAGE_ESTIMATORS[name] = cls
-        return cls
-    return add
+ADVANTAGE_ESTIMATORS = Registry("algo.advantage")
+register_advantage = ADVANTAGE_ESTIMATORS.register
 
 
 class AdvantageEstimator:
@@ -133,7 +125,4 @@ class LeaveOneOut(AdvantageEstimator):
 
 def estimator_from_config(algo) -> AdvantageEstimator:
     """The estimator ``algo.advantage`` names (``algo``: an ``AlgoConfig``)."""
-    if algo.advantage not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algo.advantage must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, "
-                         f"got {algo.advantage!r}")
-    return ADVANTAGE_ESTIMATORS[algo.advantage].from_config(algo)
+    return ADVANTAGE_ESTIMATORS.choose(algo.advantage).from_config(algo)

@@ -29,6 +29,8 @@ from typing import ClassVar, Optional
 
 import torch
 
+from rlep_megatron.algo.registry import Registry
+
 LOSS_AGG_MODES = ("global_token_mean", "reference_micro_batch_mean", "constant_length")
 # how a metric of one micro-batch becomes the mini-batch's: summed and reported (``sum``),
 # summed and used only as a weight (``count``), weighted by its split's token count
@@ -198,18 +200,8 @@ class Penalties:
     entropy_coef: float = 0.0
 
 
-LOSSES: dict[str, type] = {}
-
-
-def register_loss(name: str):
-    """Class decorator: the loss ``algo.loss=<name>`` builds."""
-    def add(cls):
-        if name in LOSSES:
-            raise ValueError(f"a policy loss named {name!r} is already registered")
-        cls.name = name
-        LOSSES[name] = cls
-        return cls
-    return add
+LOSSES = Registry("algo.loss")
+register_loss = LOSSES.register
 
 
 class PolicyLoss:
@@ -323,18 +315,15 @@ class PolicyLoss:
 
 def build_loss(name: str, penalties: Penalties = Penalties(), **options) -> PolicyLoss:
     """The registered loss ``name`` with its options (see each class)."""
-    if name not in LOSSES:
-        raise ValueError(f"algo.loss must be one of {', '.join(LOSSES)}, got {name!r}")
-    return LOSSES[name](penalties=penalties, **options)
+    return LOSSES.choose(name)(penalties=penalties, **options)
 
 
 def loss_from_config(algo, replay_clip_high: Optional[float] = None) -> PolicyLoss:
     """The loss ``algo.loss`` names, with its options and the KL and entropy terms of ``algo``
     (an ``AlgoConfig``)."""
-    if algo.loss not in LOSSES:
-        raise ValueError(f"algo.loss must be one of {', '.join(LOSSES)}, got {algo.loss!r}")
+    loss = LOSSES.choose(algo.loss)
     penalties = Penalties(algo.kl_coef, algo.kl_estimator, algo.kl_clamp, algo.entropy_coef)
-    return LOSSES[algo.loss].from_config(algo, penalties, replay_clip_high)
+    return loss.from_config(algo, penalties, replay_clip_high)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
