@@ -54,6 +54,6 @@ setup(
     entry_points={"console_scripts": ["rlep = rlep_megatron.cli:main"],
                   # the rlep_gloo weight transfer of a rollout server (vLLM loads it)
                   "vllm.general_plugins": [
-                      "rlep_gloo = rlep_megatron.rollout.gloo_transfer:register"]},
+                      "rlep_gloo = rlep_megatron.rollout.servers.gloo_transfer:register"]},
     license="Apache-2.0",
 )

@@ -206,7 +206,7 @@ def main() -> None:
     engine, draw = None, sample
     if args.sampler == "vllm":
         from rlep_megatron import distributed
-        from rlep_megatron.rollout.engine import RolloutEngine
+        from rlep_megatron.rollout.colocated.engine import RolloutEngine
 
         distributed.init_process_group()
         engine = RolloutEngine(cfg.model.hf_dir, cfg.rollout, dtype="float32",

@@ -92,7 +92,8 @@ if where == "colocated":
     from rlep_megatron.rollout import RolloutEngine
     engine = RolloutEngine(hf, cfg, dtype="float32", max_model_len=256, load_weights=False)
 else:
-    from rlep_megatron.rollout.server import LocalServer, ServerEngine
+    from rlep_megatron.rollout.servers.engine import ServerEngine
+    from rlep_megatron.rollout.servers.launch import LocalServer
     server = LocalServer(hf, cfg, dtype="float32", max_model_len=256)
     engine = ServerEngine([server.wait_ready()], hf, cfg, watchdog=False)
 distributed.init_model_parallel(ParallelConfig(), seed=0, **layout_limits(load_hf_config(hf)))

@@ -41,7 +41,7 @@ def _timed(fn):
 
 def raw_generate(trainer, prompts, seed, seeded: bool) -> float:
     """``LLM.generate`` of the rollout's requests, nothing else."""
-    from rlep_megatron.rollout.engine import request_seed
+    from rlep_megatron.rollout.requests import request_seed
 
     engine, cfg = trainer.engine, trainer.cfg.rollout
     n = cfg.num_samples_per_prompt

@@ -146,7 +146,7 @@ def _served_as_rollout_rank(cfg) -> bool:
     index = split_rollout_ranks(cfg.rollout.num_ranks)
     if index is None:
         return False
-    from rlep_megatron.rollout.server import serve_rollout_rank
+    from rlep_megatron.rollout.servers.launch import serve_rollout_rank
 
     serve_rollout_rank(cfg, index)
     return True

@@ -190,7 +190,7 @@ def separate_rollout(raw: dict, gpus: int, rollout_nodes: int, servers: list[str
 def serve_command(raw: dict) -> str:
     """The command a user starts each rollout server with (``--rollout-servers``)."""
     from rlep_megatron.config import config_from_dict
-    from rlep_megatron.rollout.server import serve_arguments
+    from rlep_megatron.rollout.servers.launch import serve_arguments
 
     cfg = config_from_dict(raw)
     args = serve_arguments(cfg.model.hf_dir, cfg.rollout, port=8000, host="0.0.0.0",

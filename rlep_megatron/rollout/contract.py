@@ -1,10 +1,11 @@
 """The rollout-engine contract: what the training loop, the scheduler and the learner call on a
 rollout engine and on its request driver. Two backends implement it:
 
-- :class:`~rlep_megatron.rollout.engine.RolloutEngine`, vLLM in this process on every rank
-  (colocated placement), driven by :class:`~rlep_megatron.rollout.requests.EngineRequests`;
-- :class:`~rlep_megatron.rollout.server.ServerEngine`, vLLM servers of the job's own (separate
-  placement), driven by :class:`~rlep_megatron.rollout.server.ServerRequests`.
+- :class:`~rlep_megatron.rollout.colocated.engine.RolloutEngine`, vLLM in this process on every rank
+  (colocated placement), driven by
+  :class:`~rlep_megatron.rollout.colocated.requests.EngineRequests`;
+- :class:`~rlep_megatron.rollout.servers.engine.ServerEngine`, vLLM servers of the job's own
+  (separate placement), driven by :class:`~rlep_megatron.rollout.servers.requests.ServerRequests`.
 
 Callers use these members only, never a probe (``hasattr``) for one backend's extras: where a
 backend has nothing to do (the servers keep their devices, so ``released`` is a no-op there;
@@ -18,6 +19,10 @@ schedulers and the weight lifecycle with an engine written against this file alo
 from __future__ import annotations
 
 from typing import Callable, Optional, Protocol, runtime_checkable
+
+
+class IncompleteWeightsError(RuntimeError):
+    """The engine's weights are not a complete copy of any policy (a sync failed midway)."""
 
 
 @runtime_checkable

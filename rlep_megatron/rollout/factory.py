@@ -2,11 +2,11 @@
 ``rlep eval``): the backend ``rollout.placement`` names behind the engine contract
 (:mod:`rlep_megatron.rollout.contract`).
 
-* ``colocated``: :class:`~rlep_megatron.rollout.engine.RolloutEngine`, vLLM in this process on
-  every rank;
-* ``separate``: :class:`~rlep_megatron.rollout.server.ServerEngine`, the vLLM servers of the
+* ``colocated``: :class:`~rlep_megatron.rollout.colocated.engine.RolloutEngine`, vLLM in this
+  process on every rank;
+* ``separate``: :class:`~rlep_megatron.rollout.servers.engine.ServerEngine`, the vLLM servers of the
   job's rollout ranks (``rollout.num_ranks``, started by ``rlep`` itself:
-  :func:`~rlep_megatron.rollout.server.serve_rollout_rank`) or at ``rollout.server_urls``.
+  :func:`~rlep_megatron.rollout.servers.launch.serve_rollout_rank`) or at ``rollout.server_urls``.
 
 Both take the prompt + response budget (``max_model_len``) and the dtype from the run config
 the same way. Adding a backend: a subpackage implementing the contract, a ``placement`` value
@@ -44,13 +44,13 @@ def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = F
     rollout = cfg.rollout
     seed = cfg.trainer.seed if seed is None else seed
     if rollout.placement == "separate":
-        from rlep_megatron.rollout.server import ServerEngine
+        from rlep_megatron.rollout.servers.engine import ServerEngine
 
         urls = (list(rollout.server_urls) if rollout.server_urls
                 else distributed.rollout_urls(rollout.num_ranks))
         return ServerEngine(urls, cfg.model.hf_dir, rollout, timeout_s=rollout.server_timeout_s,
                             owns_rollout_ranks=bool(rollout.num_ranks))
-    from rlep_megatron.rollout.engine import RolloutEngine
+    from rlep_megatron.rollout.colocated.engine import RolloutEngine
 
     return RolloutEngine(model_dir or cfg.model.hf_dir, rollout,
                          dtype=dtype or dtype_name(cfg), seed=seed,

@@ -8,7 +8,8 @@ V1 model runner itself, on every rank of the engine: each MoE router of the mode
 vLLM's own binder), and every engine step's row layout is read where the runner lays the step
 out (``_prepare_inputs``: the requests in batch order, how many tokens each is scheduled, and
 from which position). Rows are keyed by the request's sampling seed, which is unique per sample
-in every ``generate`` call of :class:`~rlep_megatron.rollout.engine.RolloutEngine` (vLLM gives
+in every ``generate`` call of the colocated
+:class:`~rlep_megatron.rollout.colocated.engine.RolloutEngine` (vLLM gives
 the ``j``-th sample of a request ``seed + j``).
 
 Prefix caching: a prompt position served from the cache is not computed again, so its experts

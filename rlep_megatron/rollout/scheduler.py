@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 
-from rlep_megatron.rollout.engine import Response, request_seed
+from rlep_megatron.rollout.requests import request_seed
+
+from rlep_megatron.rollout.response import Response
 
 
 class _WeightUpdates:

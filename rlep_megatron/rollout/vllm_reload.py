@@ -1,6 +1,6 @@
 """The vLLM-side steps of one in-place weight update, written once for both backends: the
-colocated engine's worker extension (:mod:`rlep_megatron.rollout.worker_ext`) and the servers'
-``rlep_gloo`` transfer engine (:mod:`rlep_megatron.rollout.gloo_transfer`).
+colocated engine's worker extension (:mod:`rlep_megatron.rollout.colocated.worker_ext`) and the
+servers' ``rlep_gloo`` transfer engine (:mod:`rlep_megatron.rollout.servers.gloo_transfer`).
 
 ``begin`` starts vLLM's layer-wise reload (each layer is re-processed for its kernels once all
 of its tensors arrived; the CPU MoE experts padded and packed as at load,

@@ -6,9 +6,9 @@ every backend.
     finish_weight_update(version)    complete again, labelled with the policy version
 
 The colocated engine implements it over its vLLM worker's RPC
-(:class:`~rlep_megatron.rollout.worker_ext.RolloutWorkerExtension`), the servers of separate
+(:class:`~rlep_megatron.rollout.colocated.worker_ext.RolloutWorkerExtension`), the servers of separate
 placement over vLLM's weight-transfer API (start / update per bucket / finish,
-:mod:`rlep_megatron.rollout.server_weights`); the vLLM-side steps of both are
+:mod:`rlep_megatron.rollout.servers.weights`); the vLLM-side steps of both are
 :mod:`rlep_megatron.rollout.vllm_reload`. A failure anywhere calls
 ``abort_weight_update`` and propagates: the engine stays marked incomplete and refuses to
 generate. The loop (``trainer.py``) calls :func:`sync_weights`; nothing else updates an

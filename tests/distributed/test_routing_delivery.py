@@ -45,7 +45,8 @@ def _exchange(tp: int) -> dict:
     from rlep_megatron import distributed
     from rlep_megatron.data.batch import Sample
     from rlep_megatron.actor import routing_store
-    from rlep_megatron.rollout.engine import Response, RolloutEngine
+    from rlep_megatron.rollout.colocated.engine import RolloutEngine
+    from rlep_megatron.rollout.response import Response
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     replica = rank // tp
@@ -87,7 +88,8 @@ def lost_table(out: str) -> None:
     from rlep_megatron import distributed
     from rlep_megatron.actor import routing_store
     from rlep_megatron.data.batch import Sample
-    from rlep_megatron.rollout.engine import Response, RolloutEngine
+    from rlep_megatron.rollout.colocated.engine import RolloutEngine
+    from rlep_megatron.rollout.response import Response
 
     distributed.init_process_group()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()

@@ -228,9 +228,9 @@ def test_the_weight_source_waits_for_the_stream_that_wrote_a_tensor():
     """The NCCL weight sender's race on a real device: a tensor written on the current stream
     behind a delay (``torch.cuda._sleep``), then read on a side stream that waits for nothing,
     as vLLM's packing streams read what the trainer's weight source hands them. Handed on
-    through :func:`~rlep_megatron.rollout.server_weights.produced`, the reader sees the
+    through :func:`~rlep_megatron.rollout.servers.weights.produced`, the reader sees the
     written values."""
-    from rlep_megatron.rollout.server_weights import produced
+    from rlep_megatron.rollout.servers.weights import produced
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -184,7 +184,7 @@ class FakeVLLM:
 def fake_engine(calls):
     """The real :class:`RolloutEngine` (staleness, staged wake-up) around :class:`FakeVLLM`."""
     from rlep_megatron.config import RolloutConfig
-    from rlep_megatron.rollout.engine import RolloutEngine
+    from rlep_megatron.rollout.colocated.engine import RolloutEngine
 
     engine = object.__new__(RolloutEngine)
     engine.__dict__.update(cfg=RolloutConfig(), rank=0, tp_size=1, dp_size=1, dp_rank=0,

@@ -16,7 +16,7 @@ from rlep_megatron.replay.policy import (PassRateTracker, ReplayRecord, make_rep
                                          pass_rate_bin)
 from rlep_megatron.replay.pool import ExperiencePool, ReplaySampler
 from rlep_megatron.reward import compute_score
-from rlep_megatron.rollout.engine import Response
+from rlep_megatron.rollout.response import Response
 from rlep_megatron.rollout.side import RolloutSide
 
 pytestmark = pytest.mark.unit

@@ -28,9 +28,10 @@ def parameters(function) -> list[str]:
 
 
 def backends():
-    from rlep_megatron.rollout.engine import RolloutEngine
-    from rlep_megatron.rollout.requests import EngineRequests
-    from rlep_megatron.rollout.server import ServerEngine, ServerRequests
+    from rlep_megatron.rollout.colocated.engine import RolloutEngine
+    from rlep_megatron.rollout.colocated.requests import EngineRequests
+    from rlep_megatron.rollout.servers.engine import ServerEngine
+    from rlep_megatron.rollout.servers.requests import ServerRequests
 
     return {contract.InferenceEngine: [RolloutEngine, ServerEngine],
             contract.RequestDriver: [EngineRequests, ServerRequests]}

@@ -89,7 +89,7 @@ def test_a_model_too_large_for_one_rollout_gpu_is_refused_naming_the_fix():
 
 
 def test_a_server_takes_its_own_memory_share(tmp_path):
-    from rlep_megatron.rollout.server import serve_arguments
+    from rlep_megatron.rollout.servers.launch import serve_arguments
 
     cfg = config_lib.load_config(os.path.join(EXAMPLES, "tiny_cpu_baseline.yaml"), [
         "rollout.placement=separate", "rollout.num_ranks=1",
@@ -142,22 +142,22 @@ def test_init_writes_rollout_nodes_and_servers(tmp_path, tiny_qwen2_dir, capsys)
 
 
 def test_version_spans_of_a_generate_response():
-    from rlep_megatron.rollout.server import RolloutServerError, _parse_choice
+    from rlep_megatron.rollout.servers.client import RolloutServerError, parse_choice
 
     choice = {"token_ids": [5, 6, 7], "finish_reason": "length",
               "logprobs": {"content": [{"token_id": t, "logprob": -float(t)} for t in (5, 6, 7)]},
               "weight_versions": [{"version": "3", "start": 0, "end": 2},
                                   {"version": "4", "start": 2, "end": 3}]}
-    assert _parse_choice(choice, 9) == ([5, 6, 7], [-5.0, -6.0, -7.0],
+    assert parse_choice(choice, 9) == ([5, 6, 7], [-5.0, -6.0, -7.0],
                                         [(3, 0, 2), (4, 2, 3)], "length")
     # a server that labels nothing (or "default"): the version the request was sent under
     choice["weight_versions"] = [{"version": "default", "start": 0, "end": 3}]
-    assert _parse_choice(choice, 9)[2] == [(9, 0, 3)]
+    assert parse_choice(choice, 9)[2] == [(9, 0, 3)]
     del choice["weight_versions"]
-    assert _parse_choice(choice, 9)[2] == [(9, 0, 3)]
+    assert parse_choice(choice, 9)[2] == [(9, 0, 3)]
     choice["logprobs"]["content"][1]["token_id"] = 99
     with pytest.raises(RolloutServerError, match="not those of the sampled tokens"):
-        _parse_choice(choice, 9)
+        parse_choice(choice, 9)
 
 
 def test_rollout_ranks_follow_the_node_roles_not_the_rank_order():

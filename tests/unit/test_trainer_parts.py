@@ -197,7 +197,7 @@ def test_a_response_text_is_the_sampled_tokens_decoded_without_the_stop_token(ti
 
     from transformers import AutoTokenizer
 
-    from rlep_megatron.rollout.engine import _response
+    from rlep_megatron.rollout.colocated.engine import _response
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
     body = tokenizer("Answer: 42", add_special_tokens=False)["input_ids"]
@@ -247,7 +247,7 @@ def test_a_response_keeps_the_leading_space_a_sentencepiece_decoder_drops_at_the
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from rlep_megatron.rollout.engine import _response
+    from rlep_megatron.rollout.colocated.engine import _response
 
     vocab = {"[UNK]": 0, "</s>": 1, "\u2581what": 2, "\u2581is": 3, "\u2581it": 4, "\u2581four": 5}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))

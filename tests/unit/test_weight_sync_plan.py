@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlep_megatron.rollout.engine import request_seed, split_by_budget
+from rlep_megatron.rollout.requests import request_seed, split_by_budget
 from rlep_megatron.rollout.parity import logprob_abs_diff
 from rlep_megatron.weight_sync.streamer import RuleEntry, TensorSpec, plan_buckets
 
@@ -78,7 +78,8 @@ def test_logprob_abs_diff_rejects_misaligned_input():
 def test_wake_up_is_staged_weights_then_sync_then_kv_cache():
     """GPU sleep mode, with vLLM's LLM faked: waking brings the weights back for the sync, and
     the KV cache only when generation needs it (vLLM resumes scheduling once both are back)."""
-    from rlep_megatron.rollout.engine import IncompleteWeightsError, RolloutEngine
+    from rlep_megatron.rollout.colocated.engine import RolloutEngine
+    from rlep_megatron.rollout.contract import IncompleteWeightsError
 
     calls = []
 
@@ -134,10 +135,10 @@ def test_only_the_expected_reload_warnings_are_dropped(monkeypatch, caplog):
     no weights: expected, dropped; another layer without weights is still reported (once per
     process, as every vLLM warning; an info line once per format), and
     RLEP_SHOW_ALL_WARNINGS=1 keeps everything."""
-    from rlep_megatron.rollout import engine
+    from rlep_megatron.rollout.colocated import engine
     import logging
 
-    from rlep_megatron.rollout.engine import _quiet_expected_reload_warnings
+    from rlep_megatron.rollout.colocated.engine import _quiet_expected_reload_warnings
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     monkeypatch.setattr(logger, "filters", [])

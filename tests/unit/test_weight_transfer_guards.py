@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from rlep_megatron.rollout.server_weights import TransferStalled, produced, within_deadline
+from rlep_megatron.rollout.servers.weights import TransferStalled, produced, within_deadline
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +89,7 @@ class _StalledServer:
         self.group = None
 
     def init_weight_transfer_engine(self, info):
-        from rlep_megatron.rollout import gloo_transfer
+        from rlep_megatron.rollout.servers import gloo_transfer
 
         self.group, self.store = gloo_transfer._gloo_group(
             info["master_address"], info["master_port"], 1, info["world_size"],
@@ -110,8 +110,8 @@ def test_a_gloo_transfer_to_a_server_that_stops_reading_fails_naming_it():
     """``rlep_gloo`` end to end on the trainer side: the group forms with a server whose
     workers then never receive; the bucket's send ends with an error naming the server within
     the deadline (3 s here; the job's is ``max(300, rollout.server_timeout_s)``)."""
-    from rlep_megatron.rollout import gloo_transfer
-    from rlep_megatron.rollout.server import free_port
+    from rlep_megatron.rollout.servers import gloo_transfer
+    from rlep_megatron.rollout.servers.launch import free_port
 
     info = gloo_transfer.GlooTrainerInitInfo(
         master_address="127.0.0.1", master_port=free_port("127.0.0.1"), num_workers=1,

@@ -19,7 +19,7 @@ def main(model_a: str, model_b: str, out_path: str) -> None:
 
     torch.distributed.init_process_group("gloo")
     from rlep_megatron.config import RolloutConfig
-    from rlep_megatron.rollout.engine import RolloutEngine
+    from rlep_megatron.rollout.colocated.engine import RolloutEngine
     from rlep_megatron.weight_sync import deliver
 
     cfg = RolloutConfig(num_samples_per_prompt=2, max_response_tokens=24)

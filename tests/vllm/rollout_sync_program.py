@@ -143,7 +143,7 @@ def texts_as_vllm_decodes(engine, cfg, prompts, responses, seed):
     prompts; every rank of the replica takes part). ``None`` without any response to check."""
     from vllm import SamplingParams
 
-    from rlep_megatron.rollout.engine import request_seed
+    from rlep_megatron.rollout.requests import request_seed
 
     n = cfg.num_samples_per_prompt
     mine = list(engine.share(prompts, n, cfg.max_response_tokens))

@@ -33,8 +33,10 @@ from rlep_megatron.checkpoint.hf_io import load_hf_config
 from rlep_megatron.config import OptimConfig, ParallelConfig, RolloutConfig
 from rlep_megatron.models import layout_limits
 from rlep_megatron.rollout.parity import probe
-from rlep_megatron.rollout.server import LocalServer, RolloutServerError, ServerEngine
-from rlep_megatron.rollout.server_weights import plan_source, stream_source
+from rlep_megatron.rollout.servers.client import RolloutServerError
+from rlep_megatron.rollout.servers.engine import ServerEngine
+from rlep_megatron.rollout.servers.launch import LocalServer
+from rlep_megatron.rollout.servers.weights import plan_source, stream_source
 from rlep_megatron.weight_sync import WeightStreamer, sync_weights
 from tests.vllm.rollout_sync_program import PAD, PROMPTS, chat, common_prefix_diffs, take_step
 

@@ -110,7 +110,7 @@ def test_extension_methods_do_not_shadow_vllm_worker():
     from vllm.v1.worker.worker_base import WorkerBase
     from vllm.v1.worker.gpu_worker import Worker
 
-    from rlep_megatron.rollout.worker_ext import RolloutWorkerExtension
+    from rlep_megatron.rollout.colocated.worker_ext import RolloutWorkerExtension
 
     ours = {n for n in vars(RolloutWorkerExtension) if not n.startswith("__")}
     assert ours and all(n.startswith("rlep_") for n in ours)

@@ -190,7 +190,7 @@ def test_vllms_own_routed_experts_become_signed_rows_per_position():
     with -1 to prompt + response like the captured ones."""
     from types import SimpleNamespace
 
-    from rlep_megatron.rollout.engine import _response
+    from rlep_megatron.rollout.colocated.engine import _response
 
     logprobs = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[-1.0] * 3, end_indices=[1, 2, 3])
     completion = SimpleNamespace(token_ids=[5, 6, 7], logprobs=logprobs, finish_reason="stop")
@@ -207,7 +207,7 @@ def test_the_engine_variables_are_put_back_and_nothing_else_touched(monkeypatch)
     what was unset is unset again, and variables the build itself sets stay."""
     import os
 
-    from rlep_megatron.rollout.engine import _environment
+    from rlep_megatron.rollout.colocated.engine import _environment
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.delenv("RLEP_TEST_SET_INSIDE", raising=False)
@@ -228,7 +228,7 @@ def test_a_response_gets_one_row_per_position():
     the response: it is cut; a missing last row is filled with -1."""
     from types import SimpleNamespace
 
-    from rlep_megatron.rollout.engine import _response
+    from rlep_megatron.rollout.colocated.engine import _response
 
     logprobs = SimpleNamespace(token_ids=[5, 6, 7], logprobs=[-1.0] * 3, end_indices=[1, 2, 3])
     completion = SimpleNamespace(token_ids=[5, 6, 7], logprobs=logprobs, finish_reason="stop")

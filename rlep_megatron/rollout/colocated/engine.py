@@ -6,12 +6,14 @@ vLLM's own data parallelism is not used (``data_parallel_size=1``; the world's l
 is what vLLM calls external data parallelism), so no collective couples the replicas' engine
 steps, a replica never pads to another's batch or runs dummy batches, and a replica that ends
 early is done. :meth:`RolloutEngine.generate` takes the same global prompt list on every rank,
-each replica samples a contiguous share balanced by token budget (:func:`split_by_budget`;
+each replica samples a contiguous share balanced by token budget
+(:func:`~rlep_megatron.rollout.requests.split_by_budget`;
 any share may be empty), and every rank gets every response back in one gather.
 
 Weights: the engine starts from an HF directory (or with dummy weights when the first weight
 sync is what fills it) and is updated in place through vLLM's worker ``reload_weights`` (called
-by :class:`~rlep_megatron.rollout.worker_ext.RolloutWorkerExtension`), which runs the model's
+by :class:`~rlep_megatron.rollout.colocated.worker_ext.RolloutWorkerExtension`), which runs the
+model's
 own ``load_weights`` (each rank keeps its tensor-parallel slice) and re-applies the kernels'
 weight processing (e.g. the CPU backend's GEMM packing) layer by layer. A sync that fails midway marks the engine
 stale: :meth:`generate` refuses to run until a later sync completes.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -32,53 +33,11 @@ import torch
 
 from rlep_megatron import platform
 from rlep_megatron.config import RolloutConfig
-from rlep_megatron.rollout.response import Response, decode_response  # noqa: F401
+from rlep_megatron.rollout.contract import IncompleteWeightsError
+from rlep_megatron.rollout.requests import merge_gathered, request_seed, split_by_budget
+from rlep_megatron.rollout.response import Response, decode_response
 
 logger = logging.getLogger(__name__)
-
-
-class IncompleteWeightsError(RuntimeError):
-    """The engine's weights are not a complete copy of any policy (a sync failed midway)."""
-
-
-_SEED_SPAN = 2 ** 30
-
-
-def request_seed(seed: int, prompt_index: int, n: int) -> int:
-    """Seed of one request. vLLM seeds the ``n`` samples of a request with ``seed + j``, so the
-    requests of one call get consecutive blocks of ``n`` seeds from a base hashed from
-    ``seed``: ``base + prompt_index x n``. No two requests of a call share a seed (by
-    construction, for up to 2^30 / n prompts), the same seed reproduces a batch, and
-    different calls (steps) start from unrelated bases."""
-    if (prompt_index + 1) * n > _SEED_SPAN:
-        raise ValueError(f"request {prompt_index} with n={n} samples leaves the seed range; "
-                         f"at most {_SEED_SPAN // n} prompts per generate call")
-    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % _SEED_SPAN + prompt_index * n
-
-
-def split_by_budget(costs: list[int], parts: int) -> list[range]:
-    """Cut ``len(costs)`` items, in order, into ``parts`` contiguous ranges whose cost sums are
-    as even as a contiguous cut allows: range ``r`` ends where the running cost first reaches
-    ``(r + 1) / parts`` of the total (the item straddling a boundary goes to the side that
-    leaves the smaller excess). Fewer items than parts leaves some ranges empty."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    total = float(sum(costs))
-    bounds = [0]
-    running, index = 0.0, 0
-    for r in range(1, parts):
-        target = total * r / parts
-        while index < len(costs) and running + costs[index] <= target:
-            running += costs[index]
-            index += 1
-        # take the straddling item when that overshoots less than leaving it undershoots
-        if index < len(costs) and running + costs[index] - target < target - running:
-            running += costs[index]
-            index += 1
-        bounds.append(max(index, bounds[-1]))
-    bounds.append(len(costs))
-    return [range(bounds[r], bounds[r + 1]) for r in range(parts)]
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -252,7 +211,8 @@ class RolloutEngine:
                 **settings,
                 load_format="auto" if load_weights else "dummy",
                 logprobs_mode="processed_logprobs",
-                worker_extension_cls="rlep_megatron.rollout.worker_ext.RolloutWorkerExtension",
+                worker_extension_cls=("rlep_megatron.rollout.colocated.worker_ext."
+                                      "RolloutWorkerExtension"),
             )
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
         if self.routing_source == "output":
@@ -288,8 +248,8 @@ class RolloutEngine:
 
     def requests(self, cfg):
         """A driver of requests that continue across steps
-        (:class:`~rlep_megatron.rollout.requests.EngineRequests`)."""
-        from rlep_megatron.rollout.requests import EngineRequests
+        (:class:`~rlep_megatron.rollout.colocated.requests.EngineRequests`)."""
+        from rlep_megatron.rollout.colocated.requests import EngineRequests
 
         return EngineRequests(self, cfg)
 
@@ -461,16 +421,6 @@ class RolloutEngine:
             yield
         finally:
             self.wake_up()
-
-
-def merge_gathered(gathered: list, num_prompts: int) -> list[list[Response]]:
-    """Every sender's groups of responses, in rank order (``None``: a rank that sent none),
-    checked to be the ``num_prompts`` groups asked for."""
-    merged = [group for part in gathered if part is not None for group in part]
-    if len(merged) != num_prompts:
-        raise RuntimeError(f"rollout gathered {len(merged)} prompt groups, "
-                           f"expected {num_prompts}")
-    return merged
 
 
 def _response(index: int, completion, tokenizer, routing=None,

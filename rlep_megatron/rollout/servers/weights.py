@@ -1,7 +1,7 @@
 """The trainer end of a weight update of the rollout servers (``rollout.placement:
 separate``): vLLM's weight-transfer lifecycle (``/start_weight_update``, ``/update_weights`` per
 bucket, ``/finish_weight_update`` with the policy version) over vLLM's ``nccl`` engine on GPU
-(never run yet) or ``rlep_gloo`` (:mod:`rlep_megatron.rollout.gloo_transfer`) on the host.
+(never run yet) or ``rlep_gloo`` (:mod:`rlep_megatron.rollout.servers.gloo_transfer`) on the host.
 
 The tensors are the HF-named ones of :class:`~rlep_megatron.weight_sync.WeightStreamer`, in its
 order, one bucket at a time; global rank 0 sends them.
@@ -76,14 +76,14 @@ def within_deadline(action, timeout_s: float, what: str):
 
 class ServerWeights:
     """The transfer engine of this trainer (global rank 0) to every server behind ``clients``
-    (a :class:`~rlep_megatron.rollout.server.FanOutClient`); they join the transfer group at
+    (a :class:`~rlep_megatron.rollout.servers.client.FanOutClient`); they join the transfer group at
     this host's ``port``."""
 
     def __init__(self, clients, url: str, *, port: int, bucket_bytes: int, timeout_s: float):
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from rlep_megatron import platform
-        from rlep_megatron.rollout import gloo_transfer
+        from rlep_megatron.rollout.servers import gloo_transfer
 
         gloo_transfer.register()
         self.clients = clients
