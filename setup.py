@@ -38,7 +38,8 @@ EXTRAS = {
     # pytest-timeout: the suite's per-test deadline (pytest.ini), so that a hang fails its
     # own test by name
     "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5",
-            "mlflow-skinny>=2.10"],  # a real MLflow file store in the metrics tests
+            "mlflow-skinny>=2.10",  # a real MLflow file store in the metrics tests
+            "peft>=0.17,<0.22"],  # the LoRA tests' independent reference (transformers + peft)
 }
 
 setup(

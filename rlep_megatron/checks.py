@@ -86,6 +86,18 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
                         f"more than the model's max_position_embeddings ({positions})")
 
 
+def _check_lora(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
+    """The ``lora`` section against the model, and its ``init_from`` adapter."""
+    if not cfg.lora.enabled:
+        return
+    from rlep_megatron.lora.preflight import check
+
+    try:
+        check(cfg.lora, hf)
+    except (ValueError, OSError) as err:
+        problems.append(str(err))
+
+
 def _check_files(key: str, paths: list[str], problems: list[str],
                  required: bool = False) -> None:
     if required and not paths:
@@ -124,6 +136,8 @@ def check_run_config(cfg: RunConfig, command: str = "config") -> None:
         except ValueError as err:
             problems.append(f"model.hf_dir={cfg.model.hf_dir!r}: {err}")
         _check_layout(cfg, hf, problems)
+        if command in ("config", "train"):
+            _check_lora(cfg, hf, problems)
     if command in ("config", "train"):
         _check_files("data.train_files", cfg.data.train_files, problems, required=True)
         _check_files("data.val_files", cfg.data.val_files, problems)

@@ -626,6 +626,74 @@ class OptimConfig:
                              f"trainer.total_steps), got {self.lr_decay_steps}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0
+    """Rank of the low-rank adapters; 0 (the default) trains every weight (full fine-tuning).
+    With a rank, the actor's base weights are frozen (no gradients, no optimizer state) and
+    only the adapters train (docs/lora.md)."""
+    alpha: float = 32.0
+    """Scale numerator: each adapter adds ``alpha / rank x B A x`` (PEFT's ``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input during the updates (PEFT's ``lora_dropout``); log-prob
+    passes never drop."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """The projections that get adapters, by their HF names: ``q_proj``, ``k_proj``,
+    ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, or ``all-linear`` (all of
+    them; in a mixture-of-experts model the attention and any dense MLP layers, not the
+    experts)."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """Initial A: ``kaiming`` (PEFT's default: Kaiming-uniform) or ``gaussian`` (normal,
+    std 1/rank); B starts at zero either way, so step 0 is the base model."""
+    lr: Optional[float] = None
+    """Learning rate of the adapters (``optim.lr`` when unset); LoRA commonly uses about 10x
+    the full-fine-tuning rate."""
+    init_from: str = ""
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) to
+    start from instead of a fresh adapter; its rank, alpha and targets must match this
+    section."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def targets(self) -> tuple[str, ...]:
+        """The HF projection names that get adapters."""
+        if list(self.target_modules) == ["all-linear"]:
+            return LORA_TARGETS
+        return tuple(self.target_modules)
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0 (0: full fine-tuning), got {self.rank}")
+        if not self.enabled:
+            return
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in ("kaiming", "gaussian"):
+            raise ValueError(f"lora.init must be kaiming or gaussian, got {self.init!r}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"lora.lr must be > 0 (or null: optim.lr), got {self.lr}")
+        names = list(self.target_modules)
+        if not names:
+            raise ValueError("lora.target_modules is empty: name the projections that get "
+                             f"adapters ({', '.join(LORA_TARGETS)}) or all-linear")
+        if "all-linear" in names and len(names) > 1:
+            raise ValueError("lora.target_modules: all-linear already names every projection; "
+                             "give it alone or list the projections")
+        unknown = [n for n in names if n not in LORA_TARGETS and n != "all-linear"]
+        if unknown:
+            raise ValueError(f"lora.target_modules: unknown module(s) {unknown}; valid: "
+                             f"{', '.join(LORA_TARGETS)} or all-linear")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora.target_modules names a module twice: {names}")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     output_dir: str = "outputs/run"
@@ -827,6 +895,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self):
         staleness = self.trainer.max_staleness
@@ -842,6 +911,11 @@ class RunConfig:
             raise ValueError("algo.routing_replay=rollout with rollout.placement=separate: a "
                              "vLLM server returns no routing to replay; use "
                              "algo.routing_replay=actor (or off)")
+        if self.lora.enabled and self.model.transformer_engine == "required":
+            raise ValueError("lora.rank > 0 with model.transformer_engine=required: the adapters "
+                             "sit on megatron-core's local linears (TransformerEngine's fuse "
+                             "the layer norm into the projection); use model.transformer_engine="
+                             "auto or off")
         if staleness and self.algo.routing_replay == "rollout":
             raise ValueError(f"trainer.max_staleness={staleness} with algo.routing_replay="
                              "rollout: the engine's experts are captured per blocking "

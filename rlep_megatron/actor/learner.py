@@ -50,21 +50,27 @@ class LearningSide:
         from rlep_megatron.models.megatron import build_model, resolve_dtype
 
         self.cfg, hf = cfg, hf_config
+        # LoRA: the adapter section checked against the model (and an adapter to start from
+        # read) before anything is built
+        from rlep_megatron.lora.preflight import check as check_lora
+
+        lora_start = check_lora(cfg.lora, hf)
         self.ctx = distributed.init_model_parallel(
             cfg.parallel, seed=cfg.trainer.seed, **layout_limits(hf))
         dtype = resolve_dtype(cfg.model.params_dtype)
         moe_options = {"moe_aux_loss_coeff": cfg.algo.moe_aux_loss_coeff,
                       "moe_z_loss_coeff": cfg.algo.moe_z_loss_coeff,
                       "moe_experts": cfg.model.moe_experts}
+        # the adapters sit on megatron-core's local linears (config.py refuses "required")
+        spec = "off" if cfg.lora.enabled else cfg.model.transformer_engine
         if cfg.model.mcore_dir:
             self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations,
-                                                 transformer_engine=cfg.model.transformer_engine,
-                                                 **moe_options)
+                                                 transformer_engine=spec, **moe_options)
             load_mcore_weights(self.chunks, cfg.model.mcore_dir, hf_config=hf)
         else:
             self.chunks, self.info = build_from_hf(cfg.model.hf_dir, cfg.model.params_dtype,
-                                                   cfg.model.recompute_activations,
-                                                   cfg.model.transformer_engine, **moe_options)
+                                                   cfg.model.recompute_activations, spec,
+                                                   **moe_options)
         self.info = dataclasses.replace(self.info,
                                         logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
         # the KL term's reference: the initial weights, copied before any update or resume
@@ -74,11 +80,21 @@ class LearningSide:
 
             self.reference = ReferencePolicy(self.chunks, self.info,
                                              offload=cfg.algo.reference_offload)
+        optim = cfg.optim
+        if cfg.lora.enabled:
+            from rlep_megatron.lora import adapters, peft_io
+
+            adapters.attach(self.chunks, self.info, cfg.lora, cfg.trainer.seed)
+            if lora_start is not None:
+                peft_io.assign(self.chunks, lora_start)
+            if cfg.lora.lr is not None:
+                optim = dataclasses.replace(optim, lr=cfg.lora.lr,
+                                            min_lr=min(optim.min_lr, cfg.lora.lr))
         self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer,
                                overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
                                overlap_param_gather=cfg.optim.overlap_param_gather,
                                grad_reduce_in_fp32=cfg.optim.grad_reduce_dtype == "float32")
-        self.optimizer = build_optimizer(self.chunks, cfg.optim, self.info.params_dtype)
+        self.optimizer = build_optimizer(self.chunks, optim, self.info.params_dtype)
         self.optimizer.total_steps = cfg.trainer.total_steps  # where a decay of length 0 ends
         # a mixture-of-experts actor records its old-log-prob pass's routing (compared with
         # the engine's for rollout/routing_mismatch_frac); algo.routing_replay=actor replays it

@@ -152,7 +152,7 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[st
         skeleton, info = _skeleton(hf_config)
         rules = arch.rules(hf_config)
         tied = bool(hf_config.get("tie_word_embeddings"))
-        writer = _ShardWriter(staging, max_shard_bytes, save_file)
+        writer = ShardWriter(staging, max_shard_bytes, save_file)
         num_bytes, count = 0, 0
         params = iter_checkpoint_params(skeleton, rules, resolve_mcore_dir(mcore_dir))
         for _name, rule, layer, expert, full in progress(params, total=sum(1 for _ in
@@ -172,7 +172,7 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[st
     return _summary("megatron -> HF", count, num_bytes, time.perf_counter() - start)
 
 
-class _ShardWriter:
+class ShardWriter:
     """Writes HF tensors into safetensors shards of at most ``max_shard_bytes``, flushing each
     shard as soon as it is full; names them and writes the index at the end."""
 

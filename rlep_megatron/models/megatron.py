@@ -255,6 +255,8 @@ def iter_params_with_rules(chunk: torch.nn.Module, rules: list[layout.ParamRule]
     by_name = layout.rule_index(rules)
     layers = list(chunk.decoder.layers) if hasattr(chunk, "decoder") else []
     for name, param in chunk.named_parameters():
+        if name.startswith("lora."):
+            continue  # LoRA adapters (rlep_megatron.lora): no HF tensor of the base model
         template, local = layout.split_layer(layout.canonical_name(name))
         template, local_expert = layout.split_expert(template)
         rule = by_name.get(template)

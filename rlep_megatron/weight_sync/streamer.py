@@ -29,6 +29,7 @@ from typing import Iterator, Optional
 import torch
 
 from rlep_megatron import distributed
+from rlep_megatron.lora.adapters import chunk_adapters
 from rlep_megatron.models.megatron import ActorModelInfo, iter_params_with_rules, unwrap
 from rlep_megatron.models import architecture_for, layout
 
@@ -90,6 +91,15 @@ def _experts_per_rank(chunk: torch.nn.Module, expert: int) -> int:
     raise ValueError(f"expert {expert} is not in this chunk")
 
 
+def _merge_source(adapters, name: str, layer: Optional[int]) -> Optional[tuple]:
+    """``(adapters, global layer, module)`` when LoRA adapters sit on the weight ``name`` (of
+    a chunk: ``decoder.layers.<i>.<module>.weight``), else None."""
+    if adapters is None or layer is None or not name.endswith(".weight"):
+        return None
+    module = name.split(".", 3)[3].rsplit(".", 1)[0]
+    return (adapters, layer, module) if adapters.of_module(layer, module) else None
+
+
 def plan_buckets(stage_entries: list[list[RuleEntry]], bucket_bytes: int) -> list[Bucket]:
     """Group each stage's entries, in order, into buckets of one dtype and at most
     ``bucket_bytes`` (a single larger entry gets a bucket of its own). Pure and deterministic,
@@ -134,9 +144,13 @@ class WeightStreamer:
         rules = architecture_for(info.hf_config).rules(info.hf_config)
         tied = bool(info.hf_config.get("tie_word_embeddings"))
         self._params: list[tuple[torch.nn.Parameter, layout.ParamRule, Optional[int]]] = []
+        # LoRA (rollout.lora_sync=merged): the adapters merged into the weights they adapt
+        self._merge: list[Optional[tuple]] = []
         own: list[RuleEntry] = []
         for chunk in chunks:
-            for _, param, rule, layer, expert in iter_params_with_rules(unwrap(chunk), rules):
+            adapters = chunk_adapters(chunk)
+            for name, param, rule, layer, expert in iter_params_with_rules(unwrap(chunk),
+                                                                            rules):
                 if tied and rule.mcore_name == "output_layer.weight":
                     continue  # vLLM ties lm_head to the embedding itself
                 # experts' matrices are split over the expert-tensor-parallel group, which is
@@ -159,6 +173,7 @@ class WeightStreamer:
                 own.append(RuleEntry(len(self._params), str(param.dtype), tuple(param.shape),
                                      tp_split, specs(expert), per_rank))
                 self._params.append((param, rule, layer))
+                self._merge.append(_merge_source(adapters, name, layer))
         if self._pp_size > 1:
             self.stage_entries: list[list[RuleEntry]] = distributed.all_gather_object(
                 own, group=self._pp_group)
@@ -184,6 +199,16 @@ class WeightStreamer:
     def _device(self) -> torch.device:
         return self._params[0][0].device if self._params else torch.device("cpu")
 
+    def _local(self, index: int) -> torch.Tensor:
+        """This rank's shard of parameter ``index`` as the stream carries it: the parameter,
+        or with LoRA adapters on it the merged ``W + scale x B A``."""
+        param = self._params[index][0].detach()
+        merge = self._merge[index]
+        if merge is None:
+            return param
+        adapters, layer, module = merge
+        return adapters.merged(layer, module, param)
+
     def _gather_bucket(self, bucket: Bucket) -> list[torch.Tensor]:
         """The owner stage's HF tensors of a bucket (collective over the TP group)."""
         dtype = DTYPES[bucket.dtype]
@@ -191,13 +216,13 @@ class WeightStreamer:
         gathered: dict[int, list[torch.Tensor]] = {}
         if split:
             sizes = [math.prod(e.local_shape) for e in split]
-            source = self._params[split[0].index][0].detach()
+            source = self._local(split[0].index)
             if len(split) == 1 and source.is_contiguous():
                 flat = source.reshape(-1)  # one tensor (e.g. the embedding): no packing copy
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=self._device())
                 for entry, piece in zip(split, torch.split(flat, sizes)):
-                    piece.copy_(self._params[entry.index][0].detach().reshape(-1))
+                    piece.copy_(self._local(entry.index).reshape(-1))
             out = torch.empty(self._tp_size * flat.numel(), dtype=dtype, device=flat.device)
             distributed.all_gather(list(out.chunk(self._tp_size)), flat, group=self._tp_group)
             del flat
@@ -214,7 +239,7 @@ class WeightStreamer:
         tensors, experts = [], []
         for entry in bucket.entries:
             param, rule, _ = self._params[entry.index]
-            shards = gathered.get(entry.index) or [param.detach()]
+            shards = gathered.get(entry.index) or [self._local(entry.index)]
             full = layout.gather(rule, shards)
             hf = layout.full_to_hf(rule, full, self.info.dims)
             tensors.append(hf)

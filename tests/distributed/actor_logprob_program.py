@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the layer spec (model.transformer_engine)")
     parser.add_argument("--pack-max-tokens", type=int, default=None,
                         help="sequence packing (THD) with this token budget per micro-batch")
+    parser.add_argument("--lora", default=None,
+                        help="a PEFT LoRA adapter directory: the actor runs with it attached")
     return parser
 
 
@@ -82,11 +84,22 @@ def run_case(args):
             context_parallel.causal_mask = original
 
 
+def attach_adapter(chunks, info, directory):
+    """Give the built chunks the PEFT adapter at ``directory`` (each rank its shards)."""
+    from rlep_megatron.lora import adapters, peft_io
+
+    lora = peft_io.lora_config_of(directory)
+    adapters.attach(chunks, info, lora, seed=0)
+    peft_io.assign(chunks, peft_io.load(directory, lora, info.dims))
+
+
 def compute_and_save(args):
     from megatron.core import parallel_state as ps
 
     chunks, info = build_from_hf(args.hf_dir, args.dtype,
                                  transformer_engine=args.transformer_engine)
+    if args.lora:
+        attach_adapter(chunks, info, args.lora)
     input_ids, lengths = pad_sequences([list(p.encode()) for p in DEFAULT_PROMPTS], pad_id=256)
     replaying = contextlib.nullcontext()
     if args.forced_routing:

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="optimizer steps per training step (the batch split in order)")
     parser.add_argument("--transformer-engine", default="auto", choices=["auto", "required", "off"],
                         help="the layer spec (model.transformer_engine)")
+    parser.add_argument("--lora", default=None,
+                        help="a PEFT LoRA adapter directory: the base is frozen and the step "
+                             "trains the adapter")
     return parser
 
 
@@ -144,6 +147,12 @@ def run_case(args):
                                  moe_aux_loss_coeff=args.moe_aux_loss_coeff,
                                  moe_z_loss_coeff=args.moe_z_loss_coeff,
                                  moe_experts=args.moe_experts)
+    base_before = None
+    if args.lora:
+        from tests.distributed.actor_logprob_program import attach_adapter
+
+        attach_adapter(chunks, info, args.lora)
+        base_before = base_weights(chunks)
     experts_modules = sorted({type(module).__name__ for chunk in chunks
                               for name, module in chunk.named_modules()
                               if name.endswith("mlp.experts")})
@@ -208,6 +217,16 @@ def run_case(args):
     # every rank receives every HF tensor from the weight-sync stream
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
+    lora = {}
+    if args.lora:
+        from rlep_megatron.lora import peft_io
+
+        after = base_weights(chunks)
+        unchanged = all(torch.equal(after[name], tensor) for name, tensor in base_before.items())
+        lora = {"adapter": peft_io.full_tensors(chunks),
+                "base_unchanged": all(distributed.all_gather_object(unchanged)),
+                "trainable": sorted(name for chunk in chunks
+                                    for name, p in chunk.named_parameters() if p.requires_grad)}
     if torch.distributed.get_rank() == 0:
         inner = getattr(optimizer.optimizer, "chained_optimizers", [optimizer.optimizer])
         torch.save({"weights": merged, "metrics": metrics, "old_logp": old_logp,
@@ -218,7 +237,17 @@ def run_case(args):
                     "device": str(next(chunks[0].parameters()).device),
                     "transformer_engine": info.use_te,
                     "experts_modules": experts_modules,
-                    "expert_prehook_calls": prehook_calls[0]}, args.out)
+                    "expert_prehook_calls": prehook_calls[0], **lora}, args.out)
+
+
+def base_weights(chunks) -> dict[str, torch.Tensor]:
+    """Copies of this rank's base (non-adapter) parameters."""
+    from rlep_megatron.lora.adapters import is_adapter_parameter
+    from rlep_megatron.models.megatron import unwrap
+
+    return {f"{index}.{name}": param.detach().clone() for index, chunk in enumerate(chunks)
+            for name, param in unwrap(chunk).named_parameters()
+            if not is_adapter_parameter(name)}
 
 
 if __name__ == "__main__":

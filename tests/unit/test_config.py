@@ -188,9 +188,9 @@ MISTAKES = [  # (override, what the one line must say)
                              "data.train_files=[a,b]"),
     ("data.train_files=[]", "data.train_files is empty"),
     ("data.val_files=[missing.parquet]", "data.val_files: 'missing.parquet' does not exist"),
-    ("trainer.lr=1e-6", "unknown config key 'trainer.lr': did you mean optim.lr?"),
-    ("actor.optim.lr=1e-6", "did you mean optim.lr?"),
-    ("lr=1e-6", "did you mean optim.lr?"),
+    ("trainer.lr=1e-6", "unknown config key 'trainer.lr': did you mean lora.lr or optim.lr?"),
+    ("actor.optim.lr=1e-6", "did you mean lora.lr or optim.lr?"),
+    ("lr=1e-6", "did you mean lora.lr or optim.lr?"),
     ("rollout.n=8", "did you mean rollout.num_samples_per_prompt?"),
     ("trainer.totl_steps=3", "did you mean trainer.total_steps"),
     # verl's names in the configuration key map (docs/configuration.md)

@@ -1,0 +1,188 @@
+"""LoRA on the megatron actor against the independent reference, transformers + peft: the
+adapters are made and saved by peft itself (random A and B, so every factor matters), loaded
+into the actor at TP1, TP2, PP2 and TP2 + SP, padded and packed; the actor's log-probs equal
+peft's model's. One optimizer step equals peft + torch AdamW on the adapters alone, and leaves
+the base weights bit-identical."""
+import pytest
+import torch
+
+from rlep_megatron.checkpoint.verify import max_abs_logprob_diff
+from tests.torchrun import Cases
+
+pytestmark = pytest.mark.distributed
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SOME = ["q_proj", "v_proj", "down_proj"]  # parts of the fused linears absent
+
+
+def make_peft_adapter(hf_dir, directory, targets, rank=4, alpha=8.0, seed=0):
+    """A PEFT adapter of random A and B (``init_lora_weights=False``), saved by peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                             lora_dropout=0.0, init_lora_weights=False))
+    with torch.no_grad():  # B at the scale of the base weights: the adapter moves log-probs
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    model.save_pretrained(str(directory))
+    return str(directory)
+
+
+def peft_logprobs(hf_dir, adapter_dir, input_ids, lengths):
+    """``[n, seq]`` log-probs of transformers with the adapter applied by peft (each sequence
+    alone, column 0 = 0)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    out = torch.zeros(input_ids.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for row in range(input_ids.shape[0]):
+            ids = input_ids[row, : int(lengths[row])].unsqueeze(0)
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+            out[row, 1: int(lengths[row])] = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(tmp_path_factory, tiny_qwen2_dir, tiny_qwen3_dir) -> dict[str, str]:
+    """PEFT adapters made by peft: every target and a few (``SOME``), per model."""
+    root = tmp_path_factory.mktemp("peft_adapters")
+    made = {}
+    for arch, hf_dir in (("qwen2", tiny_qwen2_dir), ("qwen3", tiny_qwen3_dir)):
+        made[f"ADAPTER_{arch.upper()}"] = make_peft_adapter(hf_dir, root / f"{arch}_all", ALL)
+        made[f"SOME_{arch.upper()}"] = make_peft_adapter(hf_dir, root / f"{arch}_some", SOME,
+                                                         seed=1)
+    return made
+
+
+def adapters(_root, request) -> dict[str, str]:
+    return request.getfixturevalue("peft_adapters")
+
+
+LOGPROBS = Cases("tests/distributed/actor_logprob_program.py", "lora_logprobs",
+                 placeholders=adapters)
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp", "2"]), "pp2": (2, ["--pp", "2"]),
+           "tp2-sp": (2, ["--tp", "2", "--sp"])}
+LOGPROB_CASES = [
+    LOGPROBS.add(f"{arch}-{which}-{layout}" + ("-packed" if packed else ""), nproc, arch,
+                 [*args, "--lora", f"{which.upper()}_{arch.upper()}",
+                  *(["--pack-max-tokens", "64"] if packed else [])])
+    for arch in ("qwen2", "qwen3") for which in ("adapter", "some")
+    for layout, (nproc, args) in LAYOUTS.items() for packed in (False, True)
+    if which == "adapter" or layout in ("tp1", "tp2")]
+
+
+@pytest.mark.parametrize("case_id", LOGPROB_CASES)
+def test_actor_with_lora_equals_transformers_with_peft(case_id, peft_adapters, request):
+    arch, which = case_id.split("-")[:2]
+    hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    result = LOGPROBS.result(case_id, request)
+    adapter_dir = peft_adapters[f"{which.upper()}_{arch.upper()}"]
+    reference = peft_logprobs(hf_dir, adapter_dir, result["input_ids"], result["lengths"])
+    diff = max_abs_logprob_diff(result["logp"], reference, result["lengths"])
+    assert diff <= 1e-5, f"max |delta logprob| = {diff}"
+    # the adapter matters: the base model's log-probs are far from these
+    from rlep_megatron.checkpoint.verify import hf_token_logprobs
+
+    base = hf_token_logprobs(hf_dir, result["input_ids"], result["lengths"])
+    assert max_abs_logprob_diff(base, reference, result["lengths"]) > 1e-2
+
+
+TRAIN = Cases("tests/distributed/actor_train_program.py", "lora_train_steps",
+              placeholders=adapters)
+REALISTIC = ("--adam-eps", "1e-6", "--weight-decay", "1.0")
+TRAIN_CASES = {
+    "tp1": TRAIN.add("tp1", 1, "qwen2", ["--lora", "ADAPTER_QWEN2", *REALISTIC]),
+    "tp2-sp-distopt": TRAIN.add("tp2-sp-distopt", 2, "qwen2",
+                                ["--lora", "ADAPTER_QWEN2", "--tp", "2", "--sp",
+                                 "--distributed-optimizer", *REALISTIC]),
+    "pp2-packed": TRAIN.add("pp2-packed", 2, "qwen2",
+                            ["--lora", "ADAPTER_QWEN2", "--pp", "2", "--packing", *REALISTIC]),
+    "dp2": TRAIN.add("dp2", 2, "qwen2", ["--lora", "ADAPTER_QWEN2", *REALISTIC]),
+    "tp2-no-step": TRAIN.add("tp2-no-step", 2, "qwen2", ["--lora", "ADAPTER_QWEN2", "--tp", "2",
+                                                        "--train-steps", "0"]),
+}
+
+
+def peft_reference_step(hf_dir, adapter_dir, old_logp, eps=1e-6, weight_decay=1.0):
+    """The RLEP step against transformers + peft: the token-mean clipped loss over the whole
+    batch, grad clip 1.0 and torch AdamW over the adapter's parameters only."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlep_megatron.algo import policy_loss
+    from tests.distributed.actor_train_program import global_batch
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
+                                                 dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
+    input_ids, response_mask, advantages, _, _ = global_batch()
+    logits = model(input_ids).logits[:, :-1]
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+    loss, _ = policy_loss(logp, old_logp, advantages, response_mask, 0.2, 0.28, 10.0)
+    loss.backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    torch.optim.AdamW(trainable, lr=1e-3, betas=(0.9, 0.999), eps=eps,
+                      weight_decay=weight_decay).step()
+    return {name.replace(".default", ""): p.detach() for name, p in model.named_parameters()
+            if p.requires_grad}, loss.item()
+
+
+def test_one_lora_step_equals_peft_with_adamw_on_the_adapter_alone(peft_adapters, tiny_qwen2_dir,
+                                                                   request):
+    from safetensors.torch import load_file
+
+    adapter_dir = peft_adapters["ADAPTER_QWEN2"]
+    single = TRAIN.result("tp1", request)
+    reference, reference_loss = peft_reference_step(tiny_qwen2_dir, adapter_dir,
+                                                    single["old_logp"])
+    assert single["metrics"]["pg_loss"] == pytest.approx(reference_loss, abs=1e-5)
+    assert sorted(single["adapter"]) == sorted(reference)
+    initial = load_file(f"{adapter_dir}/adapter_model.safetensors")
+    for name, tensor in single["adapter"].items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=2e-6, msg=name)
+        assert (tensor - initial[name]).abs().mean() > 5e-4, f"{name} did not move"
+    assert single["base_unchanged"]
+    assert all(name.startswith("module.lora.") for name in single["trainable"])
+    adapter_numel = sum(t.numel() for t in single["adapter"].values())
+    assert single["adam_state_numel"] == adapter_numel  # Adam moments of the adapter only
+    # the weight-sync stream carries the merged weights: W + alpha / r x B A
+    base = load_file(f"{tiny_qwen2_dir}/model.safetensors")
+    scale = 8.0 / 4
+    for name, tensor in single["weights"].items():
+        hf = name.removesuffix(".weight")
+        a = single["adapter"].get(f"base_model.model.{hf}.lora_A.weight")
+        expected = base[name] if a is None else base[name] + scale * (
+            single["adapter"][f"base_model.model.{hf}.lora_B.weight"] @ a)
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=name)
+
+    for case in ("tp2-sp-distopt", "pp2-packed", "dp2"):
+        other = TRAIN.result(case, request)
+        assert other["base_unchanged"], case
+        for name, tensor in single["adapter"].items():
+            torch.testing.assert_close(other["adapter"][name], tensor, rtol=0, atol=2e-6,
+                                       msg=f"{name} at {case}")
+        assert other["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"],
+                                                              rel=1e-5), case
+
+
+def test_an_imported_adapter_comes_back_bit_for_bit_when_no_step_is_taken(peft_adapters,
+                                                                          request):
+    """peft's file -> the actor's TP2 shards -> gathered back: every tensor bit-identical."""
+    from safetensors.torch import load_file
+
+    result = TRAIN.result("tp2-no-step", request)
+    initial = load_file(f"{peft_adapters['ADAPTER_QWEN2']}/adapter_model.safetensors")
+    assert sorted(result["adapter"]) == sorted(initial)
+    for name, tensor in initial.items():
+        assert torch.equal(result["adapter"][name], tensor), name
