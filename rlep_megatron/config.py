@@ -220,6 +220,12 @@ class RolloutConfig:
     ``gpu_memory_utilization``, which leaves room for a colocated actor; the default keeps
     the server's peak, CUDA context included, under 90% of an H100's usable memory (GPU
     only)."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With LoRA (``lora.rank`` > 0), what each weight sync moves into the engine: ``merged``,
+    every weight with its adapter merged in (``W + alpha / rank x B A``) through the full
+    weight stream, for any engine and placement; ``adapter``, the adapter's tensors alone: the
+    engine keeps the base it loaded from ``model.hf_dir`` and serves the policy as a vLLM LoRA
+    adapter (colocated placement; docs/lora.md)."""
     engine_routing: Literal["auto", "output", "capture"] = "auto"
     """Where the engine's routing comes from when ``algo.routing_replay=rollout`` replays it:
     ``output``, vLLM's own ``routed_experts`` (its V2 model runner, CUDA graphs kept; GPU
@@ -916,6 +922,10 @@ class RunConfig:
                              "sit on megatron-core's local linears (TransformerEngine's fuse "
                              "the layer norm into the projection); use model.transformer_engine="
                              "auto or off")
+        if (self.lora.enabled and self.rollout.lora_sync == "adapter"
+                and self.rollout.placement == "separate"):
+            raise ValueError("rollout.lora_sync=adapter with rollout.placement=separate: the "
+                             "servers are given full weights; use rollout.lora_sync=merged")
         if staleness and self.algo.routing_replay == "rollout":
             raise ValueError(f"trainer.max_staleness={staleness} with algo.routing_replay="
                              "rollout: the engine's experts are captured per blocking "

@@ -53,6 +53,11 @@ class StageParams:
     expert_chunks: list = dataclasses.field(default_factory=list)
     """The same for the routed-expert parameters (replicated over the expert data-parallel
     ranks)."""
+    frozen: int = 0
+    """Elements of frozen parameters (the base weights under LoRA): held, never in a gradient
+    buffer or the optimizer."""
+    trainable: int = 0
+    """Elements of the parameters that train (all of them without LoRA)."""
 
     @property
     def dense(self) -> int:
@@ -190,7 +195,11 @@ def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams
             distributed.initialize_megatron_groups(par, gloo_groups=False)
             if ps.get_pipeline_model_parallel_rank() != stage:
                 raise AssertionError(f"rank {rank} is not on pipeline stage {stage}")
-            chunks, _ = build_model(hf_config, torch.bfloat16, on_meta_device=True)
+            chunks, info = build_model(hf_config, torch.bfloat16, on_meta_device=True)
+            if cfg.lora.enabled:
+                from rlep_megatron.lora.adapters import attach
+
+                attach(chunks, info, cfg.lora, seed=0)
             counted = StageParams()
             for chunk in chunks:
                 gpt = unwrap(chunk)
@@ -198,6 +207,10 @@ def stage_params(hf_config: dict, cfg: RunConfig, gpus: int) -> list[StageParams
                 counted.has_output_layer |= bool(gpt.post_process)
                 dense, expert = [], []
                 for param in chunk.parameters():
+                    if not param.requires_grad:  # megatron's DDP leaves it out
+                        counted.frozen += param.numel()
+                        continue
+                    counted.trainable += param.numel()
                     entry = (param.numel(), bool(getattr(param, "shared_embedding", False)))
                     (dense if getattr(param, "allreduce", True) else expert).append(entry)
                 counted.dense_chunks.append(dense)
@@ -339,7 +352,16 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float
     When the plan does not fit, or fits above :data:`PEAK_HEADROOM`, ``fixes`` lists changes
     planned here that bring both peaks under it (``gpus_per_node``: the size of one more
     node, for the "more nodes" fixes)."""
+    if cfg.lora.enabled:
+        spec = "local"  # the adapters sit on megatron-core's local linears
     result = _plan(cfg, hf_config, gpus, gpu_mem_gib, mfu, gpu, spec)
+    if cfg.lora.enabled:  # beside it, the same job without LoRA
+        full = _plan(_changed(cfg, {"lora.rank": 0}), hf_config, gpus, gpu_mem_gib, mfu, gpu,
+                     spec)
+        result["full_fine_tuning"] = {key: full[key] for key in (
+            "peak_train_gib", "peak_rollout_gib", "fits")}
+        result["full_fine_tuning"]["optimizer_gib"] = max(
+            s["optimizer_bytes"] for s in full["stages"]) / GIB
     result["fixes"] = []
     if result["peak_fraction"] > PEAK_HEADROOM or not result["fits"]:
         result["fixes"] = checked_fixes(cfg, hf_config, gpus, gpus_per_node or gpus,
@@ -456,7 +478,7 @@ def _stage_memory(cfg: RunConfig, hf_config: dict, stages, gpus: int, dtype_byte
     # gradient buffers: float32, or the parameters' dtype with optim.grad_reduce_dtype=bfloat16
     grad_bytes = 4 if cfg.optim.grad_reduce_dtype == "float32" else dtype_bytes
     for index, counted in enumerate(stages):
-        numel = counted.dense + counted.expert
+        numel = counted.dense + counted.expert + counted.frozen
         # the distributed optimizer shards the state over the data-parallel ranks (with their
         # context-parallel peers for the dense parameters), bucket by bucket
         grad_elements, state_elements = buffer_elements(
@@ -469,7 +491,8 @@ def _stage_memory(cfg: RunConfig, hf_config: dict, stages, gpus: int, dtype_byte
                   if counted.has_output_layer else 0.0)
         # the distributed optimizer moves the weights into a buffer laid out as the gradients'
         grads = grad_elements * grad_bytes
-        params = (grad_elements if cfg.optim.use_distributed_optimizer else numel) * dtype_bytes
+        params = ((grad_elements if cfg.optim.use_distributed_optimizer else counted.trainable)
+                  + counted.frozen) * dtype_bytes
         ref = reference * numel * dtype_bytes
         sleeping = (0.0 if cfg.rollout.enable_sleep_mode or separate
                     else rollout_budget)
@@ -481,6 +504,7 @@ def _stage_memory(cfg: RunConfig, hf_config: dict, stages, gpus: int, dtype_byte
                         ) + OVERHEAD_GIB * GIB
         per_stage.append({
             "stage": index, "layers": counted.layers, "params": numel,
+            "trainable_params": counted.trainable,
             "param_bytes": params, "grad_bytes": grads, "optimizer_bytes": optim,
             "activation_bytes": chosen,
             "activation_bytes_without_recompute": act["without_recompute"],
@@ -697,6 +721,15 @@ def format_plan(result: dict) -> str:
                      f"{f['rollout']:.3g} rollout FLOPs (up to {rounds} rounds: "
                      f"{f['total'] + (rounds - 1) * f['rollout']:.3g} per step); the figures "
                      "above count one round")
+    if result.get("full_fine_tuning"):
+        full = result["full_fine_tuning"]
+        trainable = sum(s["trainable_params"] for s in result["stages"])
+        lines.append(f"LoRA: {trainable / 1e6:.1f}M trainable parameters per GPU (the base "
+                     f"frozen); full fine-tuning on these GPUs: train peak "
+                     f"{full['peak_train_gib']:.1f} GiB, rollout peak "
+                     f"{full['peak_rollout_gib']:.1f} GiB, optimizer state "
+                     f"{full['optimizer_gib']:.1f} GiB "
+                     f"({'fits' if full['fits'] else 'does not fit'})")
     verdict = "FITS" if result["fits"] else "DOES NOT FIT"
     lines += ["", f"verdict (an estimate): {verdict} (train peak {result['peak_train_gib']:.1f} GiB, rollout "
               f"peak {result['peak_rollout_gib']:.1f} GiB of {result['gpu_mem_gib']:g}, "

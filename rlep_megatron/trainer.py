@@ -74,9 +74,11 @@ def build_engine(cfg: RunConfig, learner):
     started with dummy weights (the first weight sync fills them)."""
     from rlep_megatron.rollout.factory import build_engine as build
 
+    adapter = cfg.lora.enabled and cfg.rollout.lora_sync == "adapter"
     return build(cfg, dtype=str(learner.info.params_dtype).split(".")[-1],
                  capture_routing=learner.moe and cfg.trainer.max_staleness == 0,
-                 eager_for_routing=cfg.algo.routing_replay == "rollout")
+                 eager_for_routing=cfg.algo.routing_replay == "rollout",
+                 lora=cfg.lora if adapter else None)
 
 
 def build_scheduler(cfg: RunConfig, engine, ends_at_checkpoint):
@@ -178,8 +180,9 @@ class Trainer:
         with self.engine.released():
             train, old_metrics = self.learner.update(batch, timer, self.step)
         with timer.phase("weight_sync"), self.scheduler.weight_update(self.step + 1):
-            self.sync_weights(version=self.step + 1)
+            sync = self.sync_weights(version=self.step + 1)
         metrics = self.step_metrics(batch, train, old_metrics)
+        metrics["weight_sync/bytes"] = float(sync["bytes"])
         metrics.update(self.scheduler.tail_metrics())
         self.step += 1
         metrics.update(timer.values)

@@ -122,7 +122,13 @@ class LearningSide:
         from rlep_megatron.weight_sync import WeightStreamer
 
         # the weights as the rollout engine takes them (the loop delivers them)
-        self.streamer = WeightStreamer(self.chunks, self.info, cfg.rollout.weight_sync_bucket_bytes)
+        if cfg.lora.enabled and cfg.rollout.lora_sync == "adapter":
+            from rlep_megatron.weight_sync.adapters import AdapterStreamer
+
+            self.streamer = AdapterStreamer(self.chunks)  # the adapter alone
+        else:
+            self.streamer = WeightStreamer(self.chunks, self.info,
+                                           cfg.rollout.weight_sync_bucket_bytes)
         self.pad_id = 0
         self.engine_routing = False
         # with offload the engine is built while the gradient buffers and optimizer state are

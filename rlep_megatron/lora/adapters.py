@@ -231,8 +231,12 @@ def attach(chunks: list[torch.nn.Module], info, lora, seed: int) -> list[Adapter
                 target = TARGETS[name]
                 if target.module.startswith("mlp.") and not dense:
                     continue  # a mixture-of-experts layer: the experts get no adapters
-                a, b = initial_adapter(name, index, projection_shape(name, info.dims),
-                                       lora.rank, lora.init, seed)
+                shape = projection_shape(name, info.dims)
+                if device.type == "meta":  # (rlep plan: shapes only)
+                    a, b = (torch.empty(lora.rank, shape[1], device=device),
+                            torch.empty(shape[0], lora.rank, device=device))
+                else:
+                    a, b = initial_adapter(name, index, shape, lora.rank, lora.init, seed)
                 own[name] = Projection(target, a, b, tp, adapters.sequence_parallel,
                                        info.params_dtype, device)
             adapters.layers[str(index)] = own

@@ -33,14 +33,16 @@ def dtype_name(cfg) -> str:
 
 def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = False,
                  seed: Optional[int] = None, dtype: Optional[str] = None,
-                 capture_routing: bool = False, eager_for_routing: bool = False):
+                 capture_routing: bool = False, eager_for_routing: bool = False,
+                 lora=None):
     """The rollout engine of ``cfg.rollout.placement`` (collective).
 
     ``model_dir`` (default ``model.hf_dir``) and ``load_weights``: a colocated engine loads
     that checkpoint's weights itself; otherwise an engine starts with dummy weights and the
     first weight update fills them (the servers always start so). ``capture_routing`` /
     ``eager_for_routing``: MoE routing capture (colocated only; the servers report
-    ``routing_unavailable``)."""
+    ``routing_unavailable``). ``lora``: the run's LoRA section, for an engine that serves the
+    policy as the base plus an adapter (``rollout.lora_sync=adapter``, training only)."""
     rollout = cfg.rollout
     seed = cfg.trainer.seed if seed is None else seed
     if rollout.placement == "separate":
@@ -54,5 +56,8 @@ def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = F
 
     return RolloutEngine(model_dir or cfg.model.hf_dir, rollout,
                          dtype=dtype or dtype_name(cfg), seed=seed,
-                         max_model_len=max_model_len(cfg), load_weights=load_weights,
-                         capture_routing=capture_routing, eager_for_routing=eager_for_routing)
+                         max_model_len=max_model_len(cfg),
+                         # the adapter mode's engine keeps the base it loads itself
+                         load_weights=load_weights or lora is not None,
+                         capture_routing=capture_routing, eager_for_routing=eager_for_routing,
+                         lora=lora)

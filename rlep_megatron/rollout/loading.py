@@ -125,6 +125,18 @@ def engine_and_scorer(cfg, checkpoint: str, seed: int, process_ending: bool = Fa
         distributed.destroy()
 
 
+def _checkpoint_lora(checkpoint: str):
+    """The LoRA section of the run that wrote a training checkpoint, or None (no LoRA, or a
+    converted checkpoint without a run config)."""
+    from rlep_megatron.config import CONFIG_FILE_NAME, load_config
+
+    path = os.path.join(checkpoint, CONFIG_FILE_NAME)
+    if not os.path.isfile(path):
+        return None
+    lora = load_config(path).lora
+    return lora if lora.enabled else None
+
+
 def _engine_from_training_checkpoint(cfg, checkpoint: str, seed: int):
     from rlep_megatron.models.megatron import build_model, resolve_dtype
     from rlep_megatron.checkpoint.dist import load_mcore_weights
@@ -138,8 +150,14 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, seed: int):
                          "the run started from: config and tokenizer)")
     hf = load_hf_config(cfg.model.hf_dir)
     distributed.init_model_parallel(cfg.parallel, seed=seed, **layout_limits(hf))
+    lora = _checkpoint_lora(checkpoint)
     chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype),
-                               transformer_engine=cfg.model.transformer_engine)
+                               transformer_engine="off" if lora else
+                               cfg.model.transformer_engine)
+    if lora is not None:  # the adapters load with the weights; the stream merges them in
+        from rlep_megatron.lora.adapters import attach
+
+        attach(chunks, info, lora, seed=0)
     load_mcore_weights(chunks, checkpoint, hf_config=hf)
     engine = build_engine(cfg, seed=seed)
     streamer = WeightStreamer(chunks, info, cfg.rollout.weight_sync_bucket_bytes)

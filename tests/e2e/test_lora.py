@@ -3,13 +3,14 @@
 killed with SIGKILL and resumes exactly; its checkpoint's adapter exports to PEFT's format,
 which peft loads, and merges into an HF checkpoint that transformers loads, both giving the
 same log-probs."""
+import json
 import os
 
 import pytest
 import torch
 
 from tests import requires
-from tests.e2e.helpers import read_jsonl, small_task
+from tests.e2e.helpers import read_jsonl, recipe, run_rlep, small_task, train_overrides
 from tests.e2e.test_train import straight_equals_resumed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -58,12 +59,24 @@ def test_a_lora_run_resumes_after_kill_and_exports_its_adapter(tiny_qwen2_dir, t
     # three steps at lr 1e-2 moved B off zero: the adapted model is not the base
     assert (peft_logits - base_logits).abs().max() > 1e-3
 
+    # rlep eval of the LoRA checkpoint samples the adapted policy: greedy answers token for
+    # token those of the merged HF checkpoint
+    def eval_of(checkpoint_dir, out):
+        run_rlep(["eval", "--config", recipe("tiny_cpu_baseline.yaml"),
+                  f"model.hf_dir={tiny_qwen2_dir}", f"eval.checkpoint={checkpoint_dir}",
+                  f"eval.files=[{task['train']}]", f"eval.output_file={out}",
+                  "eval.num_samples_per_prompt=1", "eval.temperature=0", "reward.num_workers=1",
+                  "rollout.max_response_tokens=32", f"trainer.output_dir={tmp_path}"])
+        return [q["responses"] for q in json.load(open(out))["samples"]]
+
+    from_checkpoint = eval_of(checkpoint, tmp_path / "eval_lora.json")
+    assert from_checkpoint == eval_of(merged, tmp_path / "eval_merged.json")
+    assert from_checkpoint != eval_of(tiny_qwen2_dir, tmp_path / "eval_base.json")
+
 
 def test_lora_trains_with_rollout_on_a_server(tiny_qwen2_dir, task, tmp_path):
     """Separate placement: the merged weights go to the job's own vLLM server through its
     weight-transfer API, and its log-probs equal the actor's after every sync."""
-    from tests.e2e.helpers import recipe, run_rlep, train_overrides
-
     out = tmp_path / "run"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(out), steps=2),
@@ -73,3 +86,27 @@ def test_lora_trains_with_rollout_on_a_server(tiny_qwen2_dir, task, tmp_path):
     assert [e["step"] for e in entries] == [0, 1, 2]
     for entry in entries[1:]:
         assert entry["rollout/logprob_abs_diff"] <= 1e-5, entry["step"]
+
+
+def test_the_adapter_mode_moves_the_adapter_alone_and_samples_the_same_policy(tiny_qwen2_dir,
+                                                                              task, tmp_path):
+    """``rollout.lora_sync=adapter``: the engine keeps its base and serves the adapter as a vLLM
+    LoRA; each sync moves the adapter's bytes only, and the run's every metric equals the
+    merged mode's within float noise (the same policy sampled, the same updates)."""
+    runs = {}
+    for mode in ("merged", "adapter"):
+        out = tmp_path / mode
+        run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
+                  *train_overrides(tiny_qwen2_dir, task, str(out), steps=3),
+                  *[o for o in LORA if not o.startswith("parallel.")],
+                  f"rollout.lora_sync={mode}"])
+        runs[mode] = read_jsonl(out / "metrics.jsonl")
+    merged, adapter = runs["merged"], runs["adapter"]
+    for a, b in zip(merged[1:], adapter[1:]):
+        assert b["rollout/logprob_abs_diff"] <= 1e-5, b["step"]
+        assert b["rollout/response_len_mean"] == a["rollout/response_len_mean"]
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+        ratio = a["weight_sync/bytes"] / b["weight_sync/bytes"]
+        print(f"step {a['step']}: merged {a['weight_sync/bytes']:.0f} B, adapter "
+              f"{b['weight_sync/bytes']:.0f} B per sync ({ratio:.1f}x fewer)")
+        assert ratio > 5  # rank 8 on every projection of the tiny model: about 10x

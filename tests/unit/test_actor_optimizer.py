@@ -175,7 +175,7 @@ class FakeVLLM:
     def get_tokenizer(self):
         return None  # nothing to decode: generate returns no outputs
 
-    def generate(self, requests, params, use_tqdm=False):
+    def generate(self, requests, params, use_tqdm=False, lora_request=None):
         assert self.weights_valid, "generated from discarded weights"
         self.calls.append("generate")
         return []

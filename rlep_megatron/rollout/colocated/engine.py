@@ -122,7 +122,78 @@ def _environment(variables: dict[str, str]):
                 os.environ[name] = value
 
 
-class RolloutEngine:
+class MemoryHandOff:
+    """The colocated engine's hand-off of its devices to the update (GPU; no-ops on CPU):
+    weights and KV cache released while the actor trains, back for the weight sync."""
+
+    def sleep(self) -> None:
+        """Release weights and KV cache while the actor trains (GPU; no-op on CPU). The weights
+        are discarded, so the next :meth:`wake_up` must be followed by a weight sync; with
+        ``rollout.lora_sync=adapter`` the base is offloaded to CPU memory instead and comes
+        back as it was (vLLM's sleep level 1)."""
+        if not self.sleep_enabled or self._asleep:
+            return
+        self._asleep = True
+        if self.adapters is not None:  # the base is never sent again: offloaded, kept
+            self.llm.sleep(level=1)
+            return
+        self.llm.sleep(level=2)
+        self._incomplete_reason = "it slept (weights released) and has not been synced since"
+
+    def wake_up(self) -> None:
+        """Staged: the weights' memory comes back now, for the weight sync; the KV cache only
+        when generation next needs it (:meth:`_wake_kv_cache`), so the sync's buckets never
+        share the GPU with a full KV cache. vLLM resumes scheduling once both are back."""
+        if not self._asleep:
+            return
+        self.llm.wake_up(tags=["weights"])
+        self._asleep = False
+        self._kv_cache_asleep = True
+
+    def _wake_kv_cache(self) -> None:
+        if self._kv_cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_cache_asleep = False
+
+    def memory_state(self) -> str:
+        """``awake``, ``asleep`` or ``weights only`` (for logs and tests)."""
+        if self._asleep:
+            return "asleep"
+        return "weights only" if self._kv_cache_asleep else "awake"
+
+    @contextlib.contextmanager
+    def released(self):
+        """``with engine.released(): train...`` sleeps for the block and wakes after it."""
+        self.sleep()
+        try:
+            yield
+        finally:
+            self.wake_up()
+
+
+def _routing_settings(cfg: RolloutConfig, capture_routing: bool, eager_for_routing: bool
+                      ) -> tuple[dict, dict[str, str], Optional[str]]:
+    """``(engine settings, environment, routing source)`` for MoE routing capture."""
+    if not capture_routing:
+        return {}, {}, None
+    if not eager_for_routing:
+        return {}, {}, "capture"
+    from rlep_megatron.rollout.routing_capture import engine_routing_settings
+
+    extra, variables, source = engine_routing_settings(
+        cfg.engine_routing, platform.cuda_available(), os.environ, cfg.tensor_model_parallel_size)
+    if extra.get("enforce_eager"):
+        logger.info("rollout engine: vLLM's V1 model runner without CUDA graphs, so that the "
+                    "experts it routes each token to can be replayed (algo.routing_replay="
+                    "rollout, rollout.engine_routing=capture); generation is slower than with "
+                    "graphs")
+    elif source == "output":
+        logger.info("rollout engine: vLLM returns the experts it routes each token to "
+                    "(rollout.engine_routing=output; its V2 runner, CUDA graphs kept)")
+    return extra, variables, source
+
+
+class RolloutEngine(MemoryHandOff):
     """One vLLM engine replica per rollout group; collective over the whole world.
 
     ``capture_routing``: record the experts a mixture-of-experts engine routes each token to,
@@ -137,10 +208,13 @@ class RolloutEngine:
     asked for (:func:`~rlep_megatron.rollout.routing_capture.engine_routing_settings`)."""
     routing_unavailable: Optional[str] = None
     """Why the engine's routing is not captured although asked for, or ``None``."""
+    adapters: Optional["AdapterSlot"] = None
+    """``rollout.lora_sync=adapter``: the policy's LoRA adapter on the engine's base."""
 
     def __init__(self, model_dir: str, cfg: RolloutConfig, *, dtype: str = "auto",
                  seed: int = 0, max_model_len: int = 4096, load_weights: bool = True,
-                 capture_routing: bool = False, eager_for_routing: bool = False):
+                 capture_routing: bool = False, eager_for_routing: bool = False,
+                 lora=None):
         if not torch.distributed.is_initialized():
             raise RuntimeError("RolloutEngine needs torch.distributed initialised first "
                                "(rlep_megatron.distributed.init_process_group)")
@@ -171,6 +245,8 @@ class RolloutEngine:
             "it was started with dummy weights and no weight sync has completed yet")
         self._asleep = False
         self._kv_cache_asleep = False
+        if lora is not None:  # the base stays, each update brings the policy's adapter
+            self.adapters = AdapterSlot(lora)
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
@@ -183,24 +259,11 @@ class RolloutEngine:
         started = time.perf_counter()
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
         settings.update(platform.vllm_cpu_engine_settings(max_model_len))
-        variables: dict[str, str] = {}
-        self.routing_source = None
-        if capture_routing and eager_for_routing:
-            from rlep_megatron.rollout.routing_capture import engine_routing_settings
-
-            extra, variables, self.routing_source = engine_routing_settings(
-                cfg.engine_routing, platform.cuda_available(), os.environ, tp)
-            settings.update(extra)
-            if extra.get("enforce_eager"):
-                logger.info("rollout engine: vLLM's V1 model runner without CUDA graphs, so "
-                            "that the experts it routes each token to can be replayed "
-                            "(algo.routing_replay=rollout, rollout.engine_routing=capture); "
-                            "generation is slower than with graphs")
-            elif self.routing_source == "output":
-                logger.info("rollout engine: vLLM returns the experts it routes each token to "
-                            "(rollout.engine_routing=output; its V2 runner, CUDA graphs kept)")
-        elif capture_routing:
-            self.routing_source = "capture"
+        if self.adapters is not None:
+            settings.update(self.adapters.engine_settings())
+        extra, variables, self.routing_source = _routing_settings(cfg, capture_routing,
+                                                                  eager_for_routing)
+        settings.update(extra)
         with _environment(variables):  # read while the engine's worker is built
             self.llm = LLM(
                 model=model_dir, dtype=dtype, seed=seed,
@@ -305,7 +368,8 @@ class RolloutEngine:
             hooked = self.capturing_routing and self.routing_source == "capture"
             if hooked:
                 self.llm.collective_rpc("rlep_routing_arm")
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False,
+                                        lora_request=self.lora_request)
             routes = self.llm.collective_rpc("rlep_routing_take")[0] if hooked else {}
             tokenizer = self.llm.get_tokenizer()
             for index, output, request in zip(mine, outputs, params):
@@ -348,17 +412,32 @@ class RolloutEngine:
     # every rank passes the same stream and keeps its tensor-parallel slice (collective)
     def start_weight_update(self) -> None:
         self._incomplete_reason = "a weight sync was started and has not completed"
+        if self.adapters is not None:
+            self.adapters.start()
+            return
         self.llm.collective_rpc("rlep_start_weight_update")
 
     def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.adapters is not None:
+            self.adapters.receive(weights)
+            return
         self.llm.collective_rpc("rlep_load_weights", args=(weights,))
 
     def finish_weight_update(self, version: Optional[int] = None) -> None:
         """The colocated engine labels no tokens with ``version``: the loop knows it."""
-        self.llm.collective_rpc("rlep_finish_weight_update")
-        # cached prefixes were computed with the old weights
-        self.llm.reset_prefix_cache()
+        if self.adapters is not None:
+            self.adapters.finish(version)  # a new LoRA request: no cached prefix reused
+        else:
+            self.llm.collective_rpc("rlep_finish_weight_update")
+            # cached prefixes were computed with the old weights
+            self.llm.reset_prefix_cache()
         self._incomplete_reason = None
+
+    @property
+    def lora_request(self):
+        """The policy's adapter as vLLM's LoRA request (``rollout.lora_sync=adapter``), else
+        None: every generate request carries it."""
+        return self.adapters.request if self.adapters is not None else None
 
     def abort_weight_update(self, error: BaseException, tensors_sent: int) -> None:
         self._incomplete_reason = (f"the last weight sync failed after {tensors_sent} "
@@ -380,47 +459,6 @@ class RolloutEngine:
             llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()
-
-    # ------------------------------------------------------------------ memory hand-off
-
-    def sleep(self) -> None:
-        """Release weights and KV cache while the actor trains (GPU; no-op on CPU). The weights
-        are discarded, so the next :meth:`wake_up` must be followed by a weight sync."""
-        if not self.sleep_enabled or self._asleep:
-            return
-        self.llm.sleep(level=2)
-        self._asleep = True
-        self._incomplete_reason = "it slept (weights released) and has not been synced since"
-
-    def wake_up(self) -> None:
-        """Staged: the weights' memory comes back now, for the weight sync; the KV cache only
-        when generation next needs it (:meth:`_wake_kv_cache`), so the sync's buckets never
-        share the GPU with a full KV cache. vLLM resumes scheduling once both are back."""
-        if not self._asleep:
-            return
-        self.llm.wake_up(tags=["weights"])
-        self._asleep = False
-        self._kv_cache_asleep = True
-
-    def _wake_kv_cache(self) -> None:
-        if self._kv_cache_asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._kv_cache_asleep = False
-
-    def memory_state(self) -> str:
-        """``awake``, ``asleep`` or ``weights only`` (for logs and tests)."""
-        if self._asleep:
-            return "asleep"
-        return "weights only" if self._kv_cache_asleep else "awake"
-
-    @contextlib.contextmanager
-    def released(self):
-        """``with engine.released(): train...`` sleeps for the block and wakes after it."""
-        self.sleep()
-        try:
-            yield
-        finally:
-            self.wake_up()
 
 
 def _response(index: int, completion, tokenizer, routing=None,
@@ -447,3 +485,54 @@ def _response(index: int, completion, tokenizer, routing=None,
             routing = np.concatenate([routing, np.full((length - len(routing),
                                                         *routing.shape[1:]), -1, routing.dtype)])
     return Response(index, token_ids, logprobs, text, finish_reason, routing)
+
+
+# vLLM's LoRA slots come in these ranks (an adapter of a smaller rank fits a larger slot)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class AdapterSlot:
+    """The policy's LoRA adapter in the engine (``rollout.lora_sync=adapter``): the frozen base
+    is the engine's own weights (loaded once, never streamed), and each weight update carries
+    only the adapter's tensors (PEFT names, full on every rank), written to a directory of this
+    process and served as a new vLLM LoRA request (a new id per update, so neither vLLM's
+    adapter cache nor its prefix cache reuses the previous policy's)."""
+
+    def __init__(self, lora):
+        import tempfile
+
+        if lora.rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"lora.rank={lora.rank} is above vLLM's largest LoRA rank "
+                             f"({VLLM_LORA_RANKS[-1]}); use rollout.lora_sync=merged")
+        self.lora = lora
+        self.directory = tempfile.mkdtemp(prefix="rlep-rollout-adapter-")
+        self.request = None
+        self.updates = 0
+        self.received: dict[str, torch.Tensor] = {}
+
+    def engine_settings(self) -> dict:
+        rank = next(r for r in VLLM_LORA_RANKS if r >= self.lora.rank)
+        return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+
+    def start(self) -> None:
+        self.received = {}
+
+    def receive(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            self.received[name] = tensor.detach().to("cpu", copy=True)
+
+    def finish(self, version: Optional[int]) -> None:
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        from rlep_megatron.lora import peft_io
+
+        self.updates += 1
+        path = os.path.join(self.directory, f"update_{self.updates}")
+        peft_io.save(path, self.received, self.lora)
+        previous, self.received = self.request, {}
+        self.request = LoRARequest(f"policy-v{version if version is not None else 'x'}"
+                                   f"-{self.updates}", self.updates, path)
+        if previous is not None:  # vLLM has read it; only the current one is needed
+            shutil.rmtree(previous.lora_path, ignore_errors=True)

@@ -55,7 +55,7 @@ class EngineRequests:
         item.request_id = f"rlep-{next(self._ids)}"
         self.engine.llm.llm_engine.add_request(
             item.request_id, {"prompt_token_ids": item.prompt + item.token_ids},
-            self._params(left, seed))
+            self._params(left, seed), lora_request=self.engine.lora_request)
         self.in_engine[item.request_id] = item
 
     def submit(self, key: tuple[int, int, int], prompt: list[int], seed: int) -> None:
