@@ -1,14 +1,16 @@
-"""The policy losses against the default (DAPO's clip) over warm-start seeds: best and final
-validation accuracy of each, with paired differences and their 95% intervals.
+"""The policy losses (and LoRA) against the default (DAPO's clip, full fine-tuning) over
+warm-start seeds: best and final validation accuracy of each, with paired differences and their
+95% intervals.
 
     python bench/losses.py --warm-start-seeds 3 --out outputs/losses
+    python bench/losses.py --warm-start-seeds 3 --arms lora --out outputs/lora
 
 For each warm-start seed S (0, 1, ...): ``rlep demo --arms baseline,gspo,cispo,dr_grpo --seeds 1
 --warm-start-seed S`` in ``--out/ws_S`` (the demo's task, a warm start of its own, 30 steps of
 each arm at training seed 1; the loss arms are the baseline recipe with ``algo.loss=gspo``,
-``algo.loss=cispo``, or ``algo.advantage=dr_grpo`` + ``algo.loss_agg_mode=constant_length``,
-everything else unchanged). Then one table over the warm-start seeds: each arm's best and final
-validation mean@k, and its paired difference to the baseline (the same warm start). A finished
+``algo.loss=cispo``, or ``algo.advantage=dr_grpo`` + ``algo.loss_agg_mode=constant_length``;
+the ``lora`` arm trains rank-8 adapters at 10x the lr; everything else unchanged). Then one
+table over the warm-start seeds: each arm's best and final validation mean@k, and its paired difference to the baseline (the same warm start). A finished
 run is not redone.
 """
 import argparse

@@ -362,10 +362,12 @@ ARM_LABELS = {"baseline": "baseline", "rlep": "RLEP", "rlep_equal": "RLEP equal-
               "separate": "baseline one step off, separate rollout",
               "low_pass": "RLEP low_pass", "rescue": "RLEP rescue",
               "gspo": "baseline with GSPO", "cispo": "baseline with CISPO",
-              "dr_grpo": "baseline with Dr. GRPO"}
-# the loss arms: the baseline with another algo.loss / algo.advantage (docs/ALGORITHM.md 4)
-LOSS_ARMS = {"gspo": ["algo.loss=gspo"], "cispo": ["algo.loss=cispo"],
-             "dr_grpo": ["algo.advantage=dr_grpo", "algo.loss_agg_mode=constant_length"]}
+              "dr_grpo": "baseline with Dr. GRPO", "lora": "baseline with LoRA"}
+# the variant arms: the baseline with another algo.loss / algo.advantage (docs/ALGORITHM.md
+# 4), or trained through rank-8 LoRA adapters at 10x the baseline's lr (docs/lora.md)
+VARIANT_ARMS = {"gspo": ["algo.loss=gspo"], "cispo": ["algo.loss=cispo"],
+                "dr_grpo": ["algo.advantage=dr_grpo", "algo.loss_agg_mode=constant_length"],
+                "lora": ["lora.rank=8", "lora.alpha=16", "lora.lr=1e-3"]}
 
 
 def arm_order(summary: dict) -> list[str]:
@@ -641,12 +643,12 @@ def arm_settings(arm: str, recipes: str, pool: str,
     paired differences to the baseline are one step off against synchronous; ``separate``:
     the same with generation on a vLLM server of its own (``rollout.placement=separate``, one
     more process), overlapping training; ``low_pass`` and ``rescue``: ``rlep`` with that
-    ``replay.policy``; ``gspo``, ``cispo``, ``dr_grpo``: the baseline with that loss
-    (:data:`LOSS_ARMS`)."""
+    ``replay.policy``; ``gspo``, ``cispo``, ``dr_grpo``: the baseline with that loss, ``lora``
+    with LoRA adapters (:data:`VARIANT_ARMS`)."""
     if arm == "baseline":
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), []
-    if arm in LOSS_ARMS:
-        return os.path.join(recipes, "tiny_cpu_baseline.yaml"), list(LOSS_ARMS[arm])
+    if arm in VARIANT_ARMS:
+        return os.path.join(recipes, "tiny_cpu_baseline.yaml"), list(VARIANT_ARMS[arm])
     if arm in ("one_step_off", "separate"):
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), [
             "trainer.max_staleness=1", "algo.rollout_correction=truncate",

@@ -33,7 +33,9 @@ policy's own step-to-step spread, which the least clear cases above meet at 3.1 
 pass both checks. With the loss sign flipped, the weight sync skipped after the first or the
 advantages zeroed, the rise is at most a few hundredths or negative, and the test fails.
 
-Siblings ask the same of one-step-off rollout (``trainer.max_staleness=1``: each step's batch
+Siblings ask the same of LoRA (rank-8 adapters at 10x the lr, sampled through vLLM's LoRA:
+on the Intel Xeon at S = 0 a rise of 0.33 at 5.3x noise, where the full run rises 0.28 at
+3.8x), of one-step-off rollout (``trainer.max_staleness=1``: each step's batch
 partly generated under the previous weights, the rollout correction weighing every token by the
 version that sampled it), and of a mixture-of-experts actor (the tiny Qwen3-MoE) whose updates
 are routed through the rollout engine's experts.
@@ -181,6 +183,14 @@ def dense_model(task, tmp_path_factory):
 
 def test_training_reward_rises_on_a_learnable_task(task, dense_model, tmp_path):
     assert_learns(train(task, dense_model, tmp_path / "run", *PACKED))
+
+
+def test_training_reward_rises_with_lora(task, dense_model, tmp_path):
+    """The same run training rank-8 LoRA adapters on every projection (the base frozen) at 10x
+    the lr, the engine sampling through vLLM's LoRA (``rollout.lora_sync=adapter``): it learns
+    by the same criteria."""
+    assert_learns(train(task, dense_model, tmp_path / "run", *PACKED, "lora.rank=8",
+                        "lora.alpha=16", "lora.lr=2e-3", "rollout.lora_sync=adapter"))
 
 
 def test_training_reward_rises_one_step_off(task, dense_model, tmp_path):
