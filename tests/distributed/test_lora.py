@@ -13,6 +13,7 @@ pytestmark = pytest.mark.distributed
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SOME = ["q_proj", "v_proj", "down_proj"]  # parts of the fused linears absent
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def make_peft_adapter(hf_dir, directory, targets, rank=4, alpha=8.0, seed=0):
@@ -52,7 +53,8 @@ def peft_logprobs(hf_dir, adapter_dir, input_ids, lengths):
 
 
 @pytest.fixture(scope="session")
-def peft_adapters(tmp_path_factory, tiny_qwen2_dir, tiny_qwen3_dir) -> dict[str, str]:
+def peft_adapters(tmp_path_factory, tiny_qwen2_dir, tiny_qwen3_dir,
+                  tiny_qwen3_moe_dir) -> dict[str, str]:
     """PEFT adapters made by peft: every target and a few (``SOME``), per model."""
     root = tmp_path_factory.mktemp("peft_adapters")
     made = {}
@@ -60,6 +62,9 @@ def peft_adapters(tmp_path_factory, tiny_qwen2_dir, tiny_qwen3_dir) -> dict[str,
         made[f"ADAPTER_{arch.upper()}"] = make_peft_adapter(hf_dir, root / f"{arch}_all", ALL)
         made[f"SOME_{arch.upper()}"] = make_peft_adapter(hf_dir, root / f"{arch}_some", SOME,
                                                          seed=1)
+    # a mixture of experts: adapters on the attention (the experts get none)
+    made["ADAPTER_QWEN3_MOE"] = make_peft_adapter(tiny_qwen3_moe_dir, root / "moe_attention",
+                                                  ATTENTION, seed=2)
     return made
 
 
@@ -77,12 +82,16 @@ LOGPROB_CASES = [
                   *(["--pack-max-tokens", "64"] if packed else [])])
     for arch in ("qwen2", "qwen3") for which in ("adapter", "some")
     for layout, (nproc, args) in LAYOUTS.items() for packed in (False, True)
-    if which == "adapter" or layout in ("tp1", "tp2")]
+    if which == "adapter" or layout in ("tp1", "tp2")] + [
+    LOGPROBS.add(f"qwen3_moe-adapter-{name}", nproc, "qwen3_moe",
+                 [*args, "--lora", "ADAPTER_QWEN3_MOE"])
+    for name, nproc, args in (("ep1", 1, []), ("ep2-packed", 2, ["--ep", "2", "--pack-max-tokens",
+                                                                 "64"]))]
 
 
 @pytest.mark.parametrize("case_id", LOGPROB_CASES)
 def test_actor_with_lora_equals_transformers_with_peft(case_id, peft_adapters, request):
-    arch, which = case_id.split("-")[:2]
+    arch, which = case_id.split("-")[:2]  # (qwen3_moe: the attention adapter)
     hf_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     result = LOGPROBS.result(case_id, request)
     adapter_dir = peft_adapters[f"{which.upper()}_{arch.upper()}"]
