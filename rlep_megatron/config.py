@@ -903,8 +903,20 @@ class RunConfig:
     collect: CollectConfig = field(default_factory=CollectConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
+    def _check_lora(self) -> None:
+        problem = _lora_problem(self)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def actor_transformer_engine(self) -> str:
+        """``model.transformer_engine`` as the actor is built: ``off`` with LoRA (the adapters
+        sit on megatron-core's local linears)."""
+        return "off" if self.lora.enabled else self.model.transformer_engine
+
     def __post_init__(self):
         staleness = self.trainer.max_staleness
+        self._check_lora()
         if staleness and self.algo.dynamic_sampling:
             raise ValueError(f"trainer.max_staleness={staleness} with algo.dynamic_sampling: "
                              "a step generated ahead cannot know how many rounds it needs; "
@@ -917,20 +929,42 @@ class RunConfig:
             raise ValueError("algo.routing_replay=rollout with rollout.placement=separate: a "
                              "vLLM server returns no routing to replay; use "
                              "algo.routing_replay=actor (or off)")
-        if self.lora.enabled and self.model.transformer_engine == "required":
-            raise ValueError("lora.rank > 0 with model.transformer_engine=required: the adapters "
-                             "sit on megatron-core's local linears (TransformerEngine's fuse "
-                             "the layer norm into the projection); use model.transformer_engine="
-                             "auto or off")
-        if (self.lora.enabled and self.rollout.lora_sync == "adapter"
-                and self.rollout.placement == "separate"):
-            raise ValueError("rollout.lora_sync=adapter with rollout.placement=separate: the "
-                             "servers are given full weights; use rollout.lora_sync=merged")
         if staleness and self.algo.routing_replay == "rollout":
             raise ValueError(f"trainer.max_staleness={staleness} with algo.routing_replay="
                              "rollout: the engine's experts are captured per blocking "
                              "generate call; use algo.routing_replay=actor (or off), or "
                              "trainer.max_staleness=0")
+
+
+def _lora_problem(cfg: "RunConfig") -> Optional[str]:
+    """What makes a run's LoRA settings unusable together with the rest, or None."""
+    lora, rollout = cfg.lora, cfg.rollout
+    if not lora.enabled:
+        if lora.init_from or lora.lr is not None:
+            return ("lora.init_from / lora.lr without lora.rank: set lora.rank > 0 to train "
+                    "adapters (rank 0 is full fine-tuning)")
+        return None
+    if cfg.model.transformer_engine == "required":
+        return ("lora.rank > 0 with model.transformer_engine=required: the adapters sit on "
+                "megatron-core's local linears (TransformerEngine's fuse the layer norm into "
+                "the projection); use model.transformer_engine=auto or off")
+    if lora.dropout > 0 and cfg.model.recompute_activations:
+        return ("lora.dropout > 0 with model.recompute_activations: the recomputed forward "
+                "would draw other dropout masks than the one the loss came from; use "
+                "lora.dropout=0 or no recompute")
+    if rollout.lora_sync != "adapter":
+        return None
+    if rollout.placement == "separate":
+        return ("rollout.lora_sync=adapter with rollout.placement=separate: the servers are "
+                "given full weights; use rollout.lora_sync=merged")
+    if cfg.model.mcore_dir:
+        return ("rollout.lora_sync=adapter with model.mcore_dir: the engine's base comes from "
+                "model.hf_dir and is never streamed, so it must be the actor's; drop "
+                "model.mcore_dir or use rollout.lora_sync=merged")
+    if lora.rank > 512:
+        return (f"lora.rank={lora.rank} with rollout.lora_sync=adapter: vLLM's largest LoRA "
+                "rank is 512; use rollout.lora_sync=merged")
+    return None
 
 
 CONFIG_FILE_NAME = "config.yaml"

@@ -55,14 +55,17 @@ class LearningSide:
         from rlep_megatron.lora.preflight import check as check_lora
 
         lora_start = check_lora(cfg.lora, hf)
+        if cfg.model.mcore_dir:
+            from rlep_megatron.checkpoint.dist import refuse_adapter_checkpoint
+
+            refuse_adapter_checkpoint(cfg.model.mcore_dir, "model.mcore_dir")
         self.ctx = distributed.init_model_parallel(
             cfg.parallel, seed=cfg.trainer.seed, **layout_limits(hf))
         dtype = resolve_dtype(cfg.model.params_dtype)
         moe_options = {"moe_aux_loss_coeff": cfg.algo.moe_aux_loss_coeff,
                       "moe_z_loss_coeff": cfg.algo.moe_z_loss_coeff,
                       "moe_experts": cfg.model.moe_experts}
-        # the adapters sit on megatron-core's local linears (config.py refuses "required")
-        spec = "off" if cfg.lora.enabled else cfg.model.transformer_engine
+        spec = cfg.actor_transformer_engine  # (the local spec with LoRA)
         if cfg.model.mcore_dir:
             self.chunks, self.info = build_model(hf, dtype, cfg.model.recompute_activations,
                                                  transformer_engine=spec, **moe_options)

@@ -36,7 +36,9 @@ def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool,
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
 
-    if not _data_parallel_replicas():
+    if not _data_parallel_replicas() or _has_adapters(chunks):
+        # (LoRA: the adapters are read inside their linears' hooks, never called as modules,
+        # so megatron's forward pre-hooks would not gather their updated shards; they are small)
         overlap_param_gather = False
     overlap_param_gather = overlap_param_gather and use_distributed_optimizer
     ddp_config = DistributedDataParallelConfig(
@@ -59,6 +61,12 @@ def wrap_ddp(chunks: list[torch.nn.Module], use_distributed_optimizer: bool,
         if overlap_grad_reduce else None
     config.param_sync_func = None  # the forward pre-hooks gather (align_param_gather off)
     return wrapped
+
+
+def _has_adapters(chunks: list[torch.nn.Module]) -> bool:
+    from rlep_megatron.lora.adapters import chunk_adapters
+
+    return any(chunk_adapters(chunk) is not None for chunk in chunks)
 
 
 def _data_parallel_replicas() -> bool:

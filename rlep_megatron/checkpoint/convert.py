@@ -143,6 +143,9 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, hf_config_dir: Optional[st
     from rlep_megatron.checkpoint.streaming import iter_checkpoint_params
     from rlep_megatron.metrics import progress
 
+    from rlep_megatron.checkpoint.dist import refuse_adapter_checkpoint
+
+    refuse_adapter_checkpoint(mcore_dir, "--mcore-dir")
     config_dir = _resolve_config_dir(mcore_dir, hf_config_dir)
     hf_config = load_hf_config(config_dir)
     arch = architecture_for(hf_config)

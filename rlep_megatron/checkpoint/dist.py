@@ -141,3 +141,28 @@ def keep_save_results_in_process() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+ADAPTER_PREFIX = "lora.layers."  # the LoRA adapters' keys (rlep_megatron.lora)
+
+
+def checkpoint_has_adapter(path: str) -> bool:
+    """Whether a dist checkpoint (or a training checkpoint) holds LoRA adapters."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = resolve_mcore_dir(path)
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        return False
+    metadata = FileSystemReader(directory).read_metadata().state_dict_metadata
+    return any(key.startswith(ADAPTER_PREFIX) for key in metadata)
+
+
+def refuse_adapter_checkpoint(path: str, what: str) -> None:
+    """Refuse to read a LoRA run's checkpoint as plain weights (its adapters would be
+    dropped), saying what to do instead."""
+    if checkpoint_has_adapter(path):
+        raise ValueError(
+            f"{what}={path} is a checkpoint of a LoRA run: read as plain weights it would give "
+            "the frozen base without its adapters. Export the adapter (tools/lora_export.py) "
+            "and merge it into the base (tools/lora_merge.py), or start from the adapter "
+            "(lora.init_from)")

@@ -136,7 +136,7 @@ class CheckpointManager:
         from rlep_megatron import platform
 
         saved = meta.get("layer_spec")
-        spec = layer_spec_name(platform.use_transformer_engine(self.cfg.model.transformer_engine))
+        spec = layer_spec_name(platform.use_transformer_engine(self.cfg.actor_transformer_engine))
         if saved is None:
             logger.warning("checkpoint %s does not record its layer spec (saved by an older "
                            "version); resuming it assumes the %s spec this run builds", path,

@@ -242,6 +242,8 @@ def attach(chunks: list[torch.nn.Module], info, lora, seed: int) -> list[Adapter
             adapters.layers[str(index)] = own
         chunk.lora = adapters
         _hook_linears(chunk, adapters)
+        if getattr(chunk, "pre_process", False):
+            chunk.embedding.register_forward_hook(_track_gradients)
         attached.append(adapters)
     return attached
 
@@ -255,6 +257,15 @@ def _hook_linears(chunk, adapters: Adapters) -> None:
                 continue
             linear = layer.get_submodule(module)
             linear.register_forward_hook(_output_hook(adapters, index, module))
+
+
+def _track_gradients(embedding, args, output):
+    """The frozen embedding's output, marked to need gradients in a pass that trains: the
+    adapters' gradients must flow through layers whose inputs would otherwise need none
+    (megatron's full recompute runs a layer only when its input does)."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.requires_grad_()
+    return output
 
 
 def _output_hook(adapters: Adapters, layer: int, module: str):

@@ -73,8 +73,12 @@ def merge_adapter(adapter_dir: str, hf_dir: str, out_dir: str,
     from rlep_megatron.staging import staged_output
 
     start = time.perf_counter()
+    from rlep_megatron.models import num_experts
+
     lora = peft_io.lora_config_of(adapter_dir)
-    tensors = peft_io.load(adapter_dir, lora, dims_from_config(load_hf_config(hf_dir)))
+    hf_config = load_hf_config(hf_dir)
+    tensors = peft_io.load(adapter_dir, lora, dims_from_config(hf_config),
+                           moe=bool(num_experts(hf_config)))
     reader = SafetensorsReader(hf_dir)
     scale = lora.alpha / lora.rank
     merged = 0

@@ -12,7 +12,7 @@ import torch
 
 from rlep_megatron import distributed
 from rlep_megatron.lora.adapters import Adapters, chunk_adapters
-from rlep_megatron.lora.targets import TARGETS
+from rlep_megatron.lora.targets import MLP_TARGETS, TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -24,12 +24,13 @@ def peft_name(layer: int, projection: str, factor: str) -> str:
             f".lora_{factor}.weight")
 
 
-def peft_config(lora, base_model: str = "") -> dict:
+def peft_config(lora, base_model: str = "", targets=None) -> dict:
     """``adapter_config.json`` of an adapter trained with ``lora`` (a
-    :class:`~rlep_megatron.config.LoraConfig`)."""
+    :class:`~rlep_megatron.config.LoraConfig`); ``targets``: the projections it adapts (default
+    the section's; a mixture-of-experts model's ``all-linear`` adapts fewer)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-            "target_modules": sorted(lora.targets()), "bias": "none",
+            "target_modules": sorted(targets or lora.targets()), "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
             "init_lora_weights": True, "base_model_name_or_path": base_model}
 
@@ -49,8 +50,8 @@ def lora_config_of(directory: str, **overrides):
 
 
 def full_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
-    """Every adapter tensor of the model under its PEFT name, full (unsplit), float32 on the
-    CPU, on every rank. Collective over the TP and PP groups."""
+    """Every adapter tensor of the model under its PEFT name, full (unsplit), in the
+    parameters' dtype on the CPU, on every rank. Collective over the TP and PP groups."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
@@ -65,7 +66,7 @@ def full_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
                     parts = [torch.empty_like(tensor) for _ in range(tp_size)]
                     distributed.all_gather(parts, tensor.contiguous(), group=tp_group)
                     tensor = torch.cat(parts, dim=projection.axis)
-                own[peft_name(layer, name, factor)] = tensor.float().cpu()
+                own[peft_name(layer, name, factor)] = tensor.cpu()
     if ps.get_pipeline_model_parallel_world_size() > 1:
         merged: dict[str, torch.Tensor] = {}
         for part in distributed.all_gather_object(own, group=ps.get_pipeline_model_parallel_group()):
@@ -86,15 +87,18 @@ def save(directory: str, tensors: dict[str, torch.Tensor], lora, base_model: str
     save_file(weights, partial, metadata={"format": "pt"})
     os.replace(partial, os.path.join(directory, WEIGHTS_FILE))
     partial = os.path.join(directory, CONFIG_FILE + ".partial")
+    targets = {name.split(".")[-3] for name in tensors}
     with open(partial, "w") as f:
-        json.dump(peft_config(lora, base_model), f, indent=2)
+        json.dump(peft_config(lora, base_model, targets), f, indent=2)
     os.replace(partial, os.path.join(directory, CONFIG_FILE))
 
 
-def load(directory: str, lora, dims) -> dict[str, torch.Tensor]:
+def load(directory: str, lora, dims, moe: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of a PEFT adapter directory, after checking that it is an adapter this run
-    can start from: the rank, alpha and targets of ``lora`` and the shapes of the model with
-    ``dims`` (an adapter of another base is refused here, before it is applied)."""
+    can start from: the rank, alpha and targets of ``lora``, the shapes of the model with
+    ``dims`` (an adapter of another base is refused here, before it is applied), and every
+    tensor the targets need at every layer (``moe``: a mixture-of-experts model, whose MLP
+    layers may have none)."""
     from safetensors.torch import load_file
 
     from rlep_megatron.lora.targets import projection_shape
@@ -116,19 +120,37 @@ def load(directory: str, lora, dims) -> dict[str, torch.Tensor]:
         ("target_modules", theirs, sorted(lora.targets())),
         ("use_rslora", bool(config.get("use_rslora")), False),
         ("use_dora", bool(config.get("use_dora")), False)) if got != want]
+    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform", "modules_to_save"):
+        if config.get(key):
+            mismatched.append(f"{key}: {config[key]!r} (per-layer ranks, scales or layers, and "
+                              "whole modules saved beside the adapter, are not supported)")
     if mismatched:
         raise ValueError(f"lora.init_from={directory} does not match the lora section: "
                          + "; ".join(mismatched))
-    tensors = load_file(weights_path)
+    try:
+        tensors = load_file(weights_path)
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"lora.init_from={directory}: {WEIGHTS_FILE} is unreadable: "
+                         f"{err}") from None
     for name, tensor in tensors.items():
         parts = name.split(".")
         projection, factor = parts[-3], parts[-2][-1]
+        if projection not in TARGETS or not parts[-2].startswith("lora_") or factor not in "AB":
+            raise ValueError(f"lora.init_from={directory}: {name} is no LoRA factor of the "
+                             "supported projections (q/k/v/o_proj, gate/up/down_proj)")
         out_features, in_features = projection_shape(projection, dims)
         want = (lora.rank, in_features) if factor == "A" else (out_features, lora.rank)
         if tuple(tensor.shape) != want:
             raise ValueError(f"lora.init_from={directory}: {name} has shape "
                              f"{tuple(tensor.shape)}, this model's {projection} needs {want}: "
                              "the adapter was trained on another base model")
+    expected = {peft_name(layer, projection, factor) for layer in range(dims.num_layers)
+                for projection in lora.targets() for factor in "AB"
+                if not (moe and projection in MLP_TARGETS)}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"lora.init_from={directory} lacks {len(missing)} of the tensors the "
+                         f"lora section's targets need, e.g. {missing[0]}")
     return tensors
 
 

@@ -16,6 +16,8 @@ def check(lora, hf_config: dict[str, Any]):
     check_model(lora, hf_config)
     if not lora.init_from:
         return None
+    from rlep_megatron.models import num_experts
     from rlep_megatron.models.llama_family import dims_from_config
 
-    return peft_io.load(lora.init_from, lora, dims_from_config(hf_config))
+    return peft_io.load(lora.init_from, lora, dims_from_config(hf_config),
+                        moe=bool(num_experts(hf_config)))

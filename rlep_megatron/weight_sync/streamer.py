@@ -216,8 +216,8 @@ class WeightStreamer:
         gathered: dict[int, list[torch.Tensor]] = {}
         if split:
             sizes = [math.prod(e.local_shape) for e in split]
-            source = self._local(split[0].index)
-            if len(split) == 1 and source.is_contiguous():
+            source = self._local(split[0].index) if len(split) == 1 else None
+            if source is not None and source.is_contiguous():
                 flat = source.reshape(-1)  # one tensor (e.g. the embedding): no packing copy
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=self._device())

@@ -116,6 +116,15 @@ TRAIN_CASES = {
     "pp2-packed": TRAIN.add("pp2-packed", 2, "qwen2",
                             ["--lora", "ADAPTER_QWEN2", "--pp", "2", "--packing", *REALISTIC]),
     "dp2": TRAIN.add("dp2", 2, "qwen2", ["--lora", "ADAPTER_QWEN2", *REALISTIC]),
+    # full activation recompute (the frozen embedding's output must carry gradients), and two
+    # optimizer steps with the distributed optimizer's parameter gather overlapped over DP2
+    "tp1-recompute": TRAIN.add("tp1-recompute", 1, "qwen2", ["--lora", "ADAPTER_QWEN2",
+                                                             "--recompute", *REALISTIC]),
+    "dp2-two-steps": TRAIN.add("dp2-two-steps", 2, "qwen2", ["--lora", "ADAPTER_QWEN2",
+                                                             "--mini-batches", "2"]),
+    "dp2-overlap-two-steps": TRAIN.add("dp2-overlap-two-steps", 2, "qwen2", [
+        "--lora", "ADAPTER_QWEN2", "--mini-batches", "2", "--distributed-optimizer",
+        "--overlap-param-gather"]),
     "tp2-no-step": TRAIN.add("tp2-no-step", 2, "qwen2", ["--lora", "ADAPTER_QWEN2", "--tp", "2",
                                                         "--train-steps", "0"]),
 }
@@ -175,7 +184,7 @@ def test_one_lora_step_equals_peft_with_adamw_on_the_adapter_alone(peft_adapters
             single["adapter"][f"base_model.model.{hf}.lora_B.weight"] @ a)
         torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=name)
 
-    for case in ("tp2-sp-distopt", "pp2-packed", "dp2"):
+    for case in ("tp2-sp-distopt", "pp2-packed", "dp2", "tp1-recompute"):
         other = TRAIN.result(case, request)
         assert other["base_unchanged"], case
         for name, tensor in single["adapter"].items():
@@ -195,3 +204,13 @@ def test_an_imported_adapter_comes_back_bit_for_bit_when_no_step_is_taken(peft_a
     assert sorted(result["adapter"]) == sorted(initial)
     for name, tensor in initial.items():
         assert torch.equal(result["adapter"][name], tensor), name
+
+
+def test_two_optimizer_steps_with_the_parameter_gather_overlapped(request):
+    """Two mini-batches over DP2: the second trains with the first's update on every rank
+    with the distributed optimizer, its parameter gather asked to overlap, as with torch's
+    optimizer whole on each rank."""
+    single = TRAIN.result("dp2-two-steps", request)
+    other = TRAIN.result("dp2-overlap-two-steps", request)
+    for name, tensor in single["adapter"].items():
+        torch.testing.assert_close(other["adapter"][name], tensor, rtol=0, atol=2e-6, msg=name)

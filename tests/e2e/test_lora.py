@@ -47,6 +47,11 @@ def test_a_lora_run_resumes_after_kill_and_exports_its_adapter(tiny_qwen2_dir, t
         done = run_tool_in_process(tool, args)
         assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(adapter)) == ["adapter_config.json", "adapter_model.safetensors"]
+    # read as plain weights, a LoRA checkpoint would lose its adapters: refused, saying how
+    refused = run_tool_in_process("tools/convert_mcore_to_hf.py", [
+        "--mcore-dir", str(checkpoint), "--out-dir", str(tmp_path / "plain")])
+    assert refused.returncode == 2 and "tools/lora_export.py" in refused.stderr, refused.stderr
+    assert not os.path.exists(tmp_path / "plain")
     ids = torch.tensor([list(range(3, 40))])
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, local_files_only=True,
                                                 dtype=torch.float32)

@@ -59,11 +59,25 @@ def test_experts_are_refused_and_all_linear_leaves_them_out():
     check_model(LoraConfig(rank=4), MOE)  # all-linear: attention and dense MLP layers
 
 
-def test_transformer_engine_required_is_refused():
-    from rlep_megatron.config import ModelConfig
+@pytest.mark.parametrize("model, lora, rollout, message", [
+    ({"transformer_engine": "required"}, {}, {}, "model.transformer_engine=required"),
+    ({"recompute_activations": True}, {"dropout": 0.1}, {},
+     "lora.dropout > 0 with model.recompute_activations"),
+    ({"mcore_dir": "converted"}, {}, {"lora_sync": "adapter"},
+     "rollout.lora_sync=adapter with model.mcore_dir"),
+    ({}, {}, {"lora_sync": "adapter", "placement": "separate", "num_ranks": 1},
+     "rollout.lora_sync=adapter with rollout.placement=separate"),
+    ({}, {"rank": 1024}, {"lora_sync": "adapter"}, "vLLM's largest LoRA rank is 512"),
+    ({}, {"rank": 0, "lr": 1e-4}, {}, "lora.init_from / lora.lr without lora.rank"),
+])
+def test_lora_settings_that_clash_with_the_run_are_refused(model, lora, rollout, message):
+    from rlep_megatron.config import ModelConfig, RolloutConfig
 
-    with pytest.raises(ValueError, match="model.transformer_engine=required"):
-        RunConfig(model=ModelConfig(transformer_engine="required"), lora=LoraConfig(rank=4))
+    with pytest.raises(ValueError, match=message):
+        RunConfig(model=ModelConfig(**model), lora=LoraConfig(**{"rank": 4, **lora}),
+                  rollout=RolloutConfig(**rollout))
+    assert RunConfig(lora=LoraConfig(rank=4)).actor_transformer_engine == "off"
+    assert RunConfig().actor_transformer_engine == "auto"
 
 
 def write_adapter(directory, config, shapes):
@@ -79,14 +93,29 @@ def write_adapter(directory, config, shapes):
 def test_an_adapter_of_another_base_or_section_is_refused(tmp_path):
     lora = LoraConfig(rank=4, alpha=8, target_modules=["q_proj"])
     good = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
-    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
-    ok = write_adapter(tmp_path / "ok", good, {name.format("A"): (4, 64),
-                                               name.format("B"): (64, 4)})
-    assert set(check(LoraConfig(**{**lora.__dict__, "init_from": ok}), QWEN2)) == {
-        name.format("A"), name.format("B")}
+    name = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+    shapes = {name.format(layer, "A"): (4, 64) for layer in (0, 1)}
+    shapes.update({name.format(layer, "B"): (64, 4) for layer in (0, 1)})
+    ok = write_adapter(tmp_path / "ok", good, shapes)
+    assert set(check(LoraConfig(**{**lora.__dict__, "init_from": ok}), QWEN2)) == set(shapes)
+    # a layer's tensors missing
+    partial = write_adapter(tmp_path / "partial", good, {k: v for k, v in shapes.items()
+                                                         if ".layers.1." not in k})
+    with pytest.raises(ValueError, match=r"lacks 2 of the tensors .* e\.g\. "
+                                         r"base_model.model.model.layers.1.self_attn.q_proj"):
+        check(LoraConfig(**{**lora.__dict__, "init_from": partial}), QWEN2)
+    # per-layer ranks, and a tensor of no supported projection
+    pattern = write_adapter(tmp_path / "pattern", {**good, "rank_pattern": {"q_proj": 8}},
+                            shapes)
+    with pytest.raises(ValueError, match="rank_pattern"):
+        check(LoraConfig(**{**lora.__dict__, "init_from": pattern}), QWEN2)
+    stray = write_adapter(tmp_path / "stray", good, {
+        **shapes, "base_model.model.lm_head.lora_A.weight": (4, 64)})
+    with pytest.raises(ValueError, match="lm_head.lora_A.weight is no LoRA factor"):
+        check(LoraConfig(**{**lora.__dict__, "init_from": stray}), QWEN2)
     # trained on a base with hidden size 128
-    other = write_adapter(tmp_path / "other", good, {name.format("A"): (4, 128),
-                                                     name.format("B"): (128, 4)})
+    other = write_adapter(tmp_path / "other", good, {name.format(0, "A"): (4, 128),
+                                                     name.format(0, "B"): (128, 4)})
     with pytest.raises(ValueError, match=r"has shape \(4, 128\), this model's q_proj needs "
                                          r"\(4, 64\): the adapter was trained on another base"):
         check(LoraConfig(**{**lora.__dict__, "init_from": other}), QWEN2)

@@ -452,6 +452,8 @@ class RolloutEngine(MemoryHandOff):
         :func:`rlep_megatron.distributed.destroy`. Collective; safe to call twice.
         ``process_ending``: left to the end of the process (vLLM's shutdown walks the whole
         heap three times, about 3 s on a 2-core machine)."""
+        if self.adapters is not None:
+            self.adapters.close()
         if process_ending:
             return
         llm = self.__dict__.pop("llm", None)
@@ -509,6 +511,11 @@ class AdapterSlot:
         self.request = None
         self.updates = 0
         self.received: dict[str, torch.Tensor] = {}
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def engine_settings(self) -> dict:
         rank = next(r for r in VLLM_LORA_RANKS if r >= self.lora.rank)
