@@ -96,17 +96,25 @@ def reference_step(hf_dir, old_logp, eps=1e-3, weight_decay=0.1):
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
                                                  dtype=torch.float32)
+    loss = reference_update(model, old_logp, eps, weight_decay)
+    return {n: p.detach() for n, p in model.state_dict().items()}, loss
+
+
+def reference_update(model, old_logp, eps: float, weight_decay: float) -> float:
+    """One step of a transformers (or peft) model on the program's global batch: the loss, its
+    backward, grad clip 1.0 and torch AdamW (lr 1e-3) over the parameters that require
+    gradients; returns the loss."""
     input_ids, response_mask, advantages, _, _ = global_batch()
     logits = model(input_ids).logits[:, :-1]
     logp = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None])[..., 0]
     logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
     loss, _ = policy_loss(logp, old_logp, advantages, response_mask, 0.2, 0.28, 10.0)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=eps,
-                                  weight_decay=weight_decay)
-    optimizer.step()
-    return {n: p.detach() for n, p in model.state_dict().items()}, loss.item()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+    torch.optim.AdamW(trainable, lr=1e-3, betas=(0.9, 0.999), eps=eps,
+                      weight_decay=weight_decay).step()
+    return loss.item()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])

@@ -136,24 +136,14 @@ def peft_reference_step(hf_dir, adapter_dir, old_logp, eps=1e-6, weight_decay=1.
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlep_megatron.algo import policy_loss
-    from tests.distributed.actor_train_program import global_batch
+    from tests.distributed.test_actor_train_step import reference_update
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True,
                                                  dtype=torch.float32)
     model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
-    input_ids, response_mask, advantages, _, _ = global_batch()
-    logits = model(input_ids).logits[:, :-1]
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None])[..., 0]
-    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
-    loss, _ = policy_loss(logp, old_logp, advantages, response_mask, 0.2, 0.28, 10.0)
-    loss.backward()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-    torch.optim.AdamW(trainable, lr=1e-3, betas=(0.9, 0.999), eps=eps,
-                      weight_decay=weight_decay).step()
+    loss = reference_update(model, old_logp, eps, weight_decay)
     return {name.replace(".default", ""): p.detach() for name, p in model.named_parameters()
-            if p.requires_grad}, loss.item()
+            if p.requires_grad}, loss
 
 
 def test_one_lora_step_equals_peft_with_adamw_on_the_adapter_alone(peft_adapters, tiny_qwen2_dir,
