@@ -225,7 +225,7 @@ class RolloutConfig:
     every weight with its adapter merged in (``W + alpha / rank x B A``) through the full
     weight stream, for any engine and placement; ``adapter``, the adapter's tensors alone: the
     engine keeps the base it loaded from ``model.hf_dir`` and serves the policy as a vLLM LoRA
-    adapter (colocated placement; docs/lora.md)."""
+    adapter (both placements; docs/lora.md)."""
     engine_routing: Literal["auto", "output", "capture"] = "auto"
     """Where the engine's routing comes from when ``algo.routing_replay=rollout`` replays it:
     ``output``, vLLM's own ``routed_experts`` (its V2 model runner, CUDA graphs kept; GPU
@@ -954,9 +954,11 @@ def _lora_problem(cfg: "RunConfig") -> Optional[str]:
                 "lora.dropout=0 or no recompute")
     if rollout.lora_sync != "adapter":
         return None
-    if rollout.placement == "separate":
-        return ("rollout.lora_sync=adapter with rollout.placement=separate: the servers are "
-                "given full weights; use rollout.lora_sync=merged")
+    if rollout.placement == "separate" and rollout.carry_over == "keep":
+        return ("rollout.lora_sync=adapter with rollout.carry_over=keep: a request frozen on a "
+                "server during an update would go on with the adapter it started with, its "
+                "tokens labelled with the new version; use carry_over resume, restart or "
+                "finish, or rollout.lora_sync=merged")
     if cfg.model.mcore_dir:
         return ("rollout.lora_sync=adapter with model.mcore_dir: the engine's base comes from "
                 "model.hf_dir and is never streamed, so it must be the actor's; drop "

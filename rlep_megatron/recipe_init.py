@@ -190,15 +190,19 @@ def separate_rollout(raw: dict, gpus: int, rollout_nodes: int, servers: list[str
 def serve_command(raw: dict) -> str:
     """The command a user starts each rollout server with (``--rollout-servers``)."""
     from rlep_megatron.config import config_from_dict
-    from rlep_megatron.rollout.servers.launch import serve_arguments
+    from rlep_megatron.rollout.servers.launch import adapter_rank, serve_arguments
 
     cfg = config_from_dict(raw)
     args = serve_arguments(cfg.model.hf_dir, cfg.rollout, port=8000, host="0.0.0.0",
                            dtype="bfloat16", seed=cfg.trainer.seed,
                            max_model_len=cfg.data.max_prompt_tokens
-                           + cfg.rollout.max_response_tokens, cuda=True)
+                           + cfg.rollout.max_response_tokens, cuda=True,
+                           lora_rank=adapter_rank(cfg))
     quoted = " ".join(f"'{a}'" if "{" in a else a for a in args)
-    return ("VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server " + quoted)
+    env = "VLLM_SERVER_DEV_MODE=1 "
+    if adapter_rank(cfg):
+        env += "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 "
+    return env + "python -m vllm.entrypoints.openai.api_server " + quoted
 
 
 def write_recipe(path: str, model_dir: str, train_files: list[str], val_files: list[str],

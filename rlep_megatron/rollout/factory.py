@@ -39,7 +39,7 @@ def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = F
 
     ``model_dir`` (default ``model.hf_dir``) and ``load_weights``: a colocated engine loads
     that checkpoint's weights itself; otherwise an engine starts with dummy weights and the
-    first weight update fills them (the servers always start so). ``capture_routing`` /
+    first weight update fills them (the servers start so, but with ``lora``). ``capture_routing`` /
     ``eager_for_routing``: MoE routing capture (colocated only; the servers report
     ``routing_unavailable``). ``lora``: the run's LoRA section, for an engine that serves the
     policy as the base plus an adapter (``rollout.lora_sync=adapter``, training only)."""
@@ -51,7 +51,7 @@ def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = F
         urls = (list(rollout.server_urls) if rollout.server_urls
                 else distributed.rollout_urls(rollout.num_ranks))
         return ServerEngine(urls, cfg.model.hf_dir, rollout, timeout_s=rollout.server_timeout_s,
-                            owns_rollout_ranks=bool(rollout.num_ranks))
+                            owns_rollout_ranks=bool(rollout.num_ranks), lora=lora)
     from rlep_megatron.rollout.colocated.engine import RolloutEngine
 
     return RolloutEngine(model_dir or cfg.model.hf_dir, rollout,

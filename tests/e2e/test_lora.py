@@ -5,6 +5,7 @@ which peft loads, and merges into an HF checkpoint that transformers loads, both
 same log-probs."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -79,18 +80,34 @@ def test_a_lora_run_resumes_after_kill_and_exports_its_adapter(tiny_qwen2_dir, t
     assert from_checkpoint != eval_of(tiny_qwen2_dir, tmp_path / "eval_base.json")
 
 
-def test_lora_trains_with_rollout_on_a_server(tiny_qwen2_dir, task, tmp_path):
-    """Separate placement: the merged weights go to the job's own vLLM server through its
-    weight-transfer API, and its log-probs equal the actor's after every sync."""
+def test_the_adapter_mode_on_a_server_serves_each_update_as_a_new_adapter(tiny_qwen2_dir, task,
+                                                                        tmp_path):
+    """Separate placement with ``rollout.lora_sync=adapter``: the job's own vLLM server loads
+    the base itself, each sync sends it the adapter alone (loaded as a new vLLM LoRA), and its
+    log-probs of its own samples equal the actor's after every sync; no adapter of the job is
+    left on the server's host at the end."""
+    import glob
+    import tempfile
+
     out = tmp_path / "run"
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlep-server-adapters", "*")))
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(out), steps=2),
               *[o for o in LORA if not o.startswith("parallel.")],
-              "rollout.placement=separate", "rollout.num_ranks=1"], nproc=2)
+              "rollout.placement=separate", "rollout.num_ranks=1",
+              "rollout.lora_sync=adapter", "rollout.server_log_requests=true"], nproc=2)
     entries = read_jsonl(out / "metrics.jsonl")
     assert [e["step"] for e in entries] == [0, 1, 2]
     for entry in entries[1:]:
         assert entry["rollout/logprob_abs_diff"] <= 1e-5, entry["step"]
+        assert entry["weight_sync/bytes"] == entries[1]["weight_sync/bytes"] < 400_000
+    # an adapter per sync (the first + 2 steps), and the requests of step 2 sampled with the
+    # adapter the first step trained (the base alone would be off by far more than 1e-5)
+    log = open(out / "rollout_server_0.log").read()
+    loaded = re.findall(r"Loaded new LoRA adapter: name '(rlep-[0-9a-f]+-\d+)'", log)
+    assert len(set(loaded)) == 3, log[-3000:]
+    after = set(glob.glob(os.path.join(tempfile.gettempdir(), "rlep-server-adapters", "*")))
+    assert after <= before, after - before
 
 
 def test_the_adapter_mode_moves_the_adapter_alone_and_samples_the_same_policy(tiny_qwen2_dir,

@@ -65,8 +65,8 @@ def test_experts_are_refused_and_all_linear_leaves_them_out():
      "lora.dropout > 0 with model.recompute_activations"),
     ({"mcore_dir": "converted"}, {}, {"lora_sync": "adapter"},
      "rollout.lora_sync=adapter with model.mcore_dir"),
-    ({}, {}, {"lora_sync": "adapter", "placement": "separate", "num_ranks": 1},
-     "rollout.lora_sync=adapter with rollout.placement=separate"),
+    ({}, {}, {"lora_sync": "adapter", "placement": "separate", "num_ranks": 1,
+              "carry_over": "keep"}, "rollout.lora_sync=adapter with rollout.carry_over=keep"),
     ({}, {"rank": 1024}, {"lora_sync": "adapter"}, "vLLM's largest LoRA rank is 512"),
     ({}, {"rank": 0, "lr": 1e-4}, {}, "lora.init_from / lora.lr without lora.rank"),
 ])
@@ -76,6 +76,8 @@ def test_lora_settings_that_clash_with_the_run_are_refused(model, lora, rollout,
     with pytest.raises(ValueError, match=message):
         RunConfig(model=ModelConfig(**model), lora=LoraConfig(**{"rank": 4, **lora}),
                   rollout=RolloutConfig(**rollout))
+    RunConfig(lora=LoraConfig(rank=4), rollout=RolloutConfig(  # the servers take adapters
+        lora_sync="adapter", placement="separate", num_ranks=1))
     assert RunConfig(lora=LoraConfig(rank=4)).actor_transformer_engine == "off"
     assert RunConfig().actor_transformer_engine == "auto"
 

@@ -489,10 +489,6 @@ def _response(index: int, completion, tokenizer, routing=None,
     return Response(index, token_ids, logprobs, text, finish_reason, routing)
 
 
-# vLLM's LoRA slots come in these ranks (an adapter of a smaller rank fits a larger slot)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
 class AdapterSlot:
     """The policy's LoRA adapter in the engine (``rollout.lora_sync=adapter``): the frozen base
     is the engine's own weights (loaded once, never streamed), and each weight update carries
@@ -503,9 +499,9 @@ class AdapterSlot:
     def __init__(self, lora):
         import tempfile
 
-        if lora.rank > VLLM_LORA_RANKS[-1]:
-            raise ValueError(f"lora.rank={lora.rank} is above vLLM's largest LoRA rank "
-                             f"({VLLM_LORA_RANKS[-1]}); use rollout.lora_sync=merged")
+        from rlep_megatron.lora.serving import lora_slot_rank
+
+        lora_slot_rank(lora.rank)  # refused above vLLM's largest slot
         self.lora = lora
         self.directory = tempfile.mkdtemp(prefix="rlep-rollout-adapter-")
         self.request = None
@@ -518,8 +514,9 @@ class AdapterSlot:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def engine_settings(self) -> dict:
-        rank = next(r for r in VLLM_LORA_RANKS if r >= self.lora.rank)
-        return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        from rlep_megatron.lora.serving import engine_settings
+
+        return engine_settings(self.lora.rank)
 
     def start(self) -> None:
         self.received = {}

@@ -41,7 +41,12 @@ class ServerClient:
         if response.status_code != 200:
             raise RolloutServerError(f"rollout server {self.url} answered {path} with "
                                      f"{response.status_code}: {response.text[:500]}")
-        return response.json() if response.content else None
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:  # a route answering in plain text (vLLM's adapter routes)
+            return response.text
 
     def healthy(self, timeout_s: float = 5.0) -> bool:
         import requests
@@ -90,7 +95,7 @@ class FanOutClient:
         self.clients = clients
         self.workers = [c.world_size() for c in clients]
 
-    def _each(self, call: Callable[[ServerClient, int], None]) -> None:
+    def each(self, call: Callable[[ServerClient, int], None]) -> None:
         errors: list[BaseException] = []
 
         def run(index):
@@ -110,32 +115,32 @@ class FanOutClient:
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         offsets = list(itertools.accumulate([1] + self.workers[:-1]))
-        self._each(lambda c, i: c.init_weight_transfer_engine(
+        self.each(lambda c, i: c.init_weight_transfer_engine(
             {**init_info, "rank_offset": offsets[i]}))
 
     def start_weight_update(self) -> None:
-        self._each(lambda c, i: c.start_weight_update())
+        self.each(lambda c, i: c.start_weight_update())
 
     def update_weights(self, update_info) -> None:
-        self._each(lambda c, i: c.update_weights(update_info))
+        self.each(lambda c, i: c.update_weights(update_info))
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self._each(lambda c, i: c.finish_weight_update(weight_version))
+        self.each(lambda c, i: c.finish_weight_update(weight_version))
 
     def pause(self, mode: str) -> None:
-        self._each(lambda c, i: c.pause(mode))
+        self.each(lambda c, i: c.pause(mode))
 
     def abort_all(self) -> None:
-        self._each(lambda c, i: c.abort_all())
+        self.each(lambda c, i: c.abort_all())
 
     def resume(self) -> None:
-        self._each(lambda c, i: c.resume())
+        self.each(lambda c, i: c.resume())
 
     def reset_prefix_cache(self) -> None:
-        self._each(lambda c, i: c.reset_prefix_cache())
+        self.each(lambda c, i: c.reset_prefix_cache())
 
     def update_weight_version(self, version: str) -> None:
-        self._each(lambda c, i: c.call("POST", "/update_weight_version",
+        self.each(lambda c, i: c.call("POST", "/update_weight_version",
                                         json={"new_version": version}))
 
 

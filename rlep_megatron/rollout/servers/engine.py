@@ -118,7 +118,7 @@ class ServerEngine:
     extra_sampling: dict = {}  # more vLLM sampling parameters of every request (tests)
 
     def __init__(self, urls: list[str], model_dir: str, cfg, *, timeout_s: float = 60.0,
-                 watchdog: bool = True, owns_rollout_ranks: bool = False):
+                 watchdog: bool = True, owns_rollout_ranks: bool = False, lora=None):
         from vllm.tokenizers import get_tokenizer
 
         from rlep_megatron import distributed
@@ -136,8 +136,12 @@ class ServerEngine:
         self.gather_group = distributed.rollout_group(cfg.gather_timeout_minutes) if multi else None
         self.tokenizer = get_tokenizer(model_dir)  # the tokenizer vLLM's engines use
         self.eos_token_id = self.tokenizer.eos_token_id
+        # lora (rollout.lora_sync=adapter): the servers load the base themselves and each
+        # update brings the policy's adapter, which the generate requests name
+        self.lora = lora
         self._incomplete_reason: Optional[str] = (
-            "the servers start with dummy weights and no weight sync has completed yet")
+            "the servers start with dummy weights and no weight sync has completed yet"
+            if lora is None else "the servers have the base only: no adapter has arrived yet")
         self.clients = self.health = self.weights = self._loop = None
         self.epoch = 0  # weight updates begun: a request not sent before one is not sent
         self.idle = IdleClock()
@@ -153,9 +157,14 @@ class ServerEngine:
             self.clients.abort_all()
             self.clients.resume()
             self._loop = HttpLoop(MAX_CONNECTIONS_PER_SERVER * len(servers))
-            self.weights = ServerWeights(self.clients, self.urls[0], port=free_port("0.0.0.0"),
-                                         timeout_s=timeout_s,
-                                         bucket_bytes=cfg.weight_sync_bucket_bytes)
+            if lora is not None:
+                from rlep_megatron.rollout.servers.adapters import ServerAdapters
+
+                self.weights = ServerAdapters(self.clients, lora, model_dir, timeout_s=timeout_s)
+            else:
+                self.weights = ServerWeights(self.clients, self.urls[0],
+                                             port=free_port("0.0.0.0"), timeout_s=timeout_s,
+                                             bucket_bytes=cfg.weight_sync_bucket_bytes)
             if watchdog:
                 self.health.start_watchdog()
         logger.info("rollout: %d vLLM server(s) at %s", len(self.urls), ", ".join(self.urls))
@@ -210,6 +219,8 @@ class ServerEngine:
                 # weights computed are never reused after an update (also where a reset is
                 # refused while frozen requests hold blocks)
                 "cache_salt": f"rlep-v{version}"}
+        if self.lora is not None and self.weights.current is not None:
+            body["model"] = self.weights.current  # the policy's adapter
         url = f"{self.urls[server]}/inference/v1/generate"
 
         epoch = self.epoch

@@ -25,12 +25,17 @@ logger = logging.getLogger(__name__)
 
 def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
                     dtype: str = "auto", seed: int = 0, max_model_len: int = 4096,
-                    cuda: Optional[bool] = None, owns_gpu: bool = False) -> list[str]:
+                    cuda: Optional[bool] = None, owns_gpu: bool = False,
+                    lora_rank: int = 0) -> list[str]:
     """The ``vllm serve`` arguments a rollout server needs (``rollout`` config ``cfg``): the
     token-in/out route (``--enable-scale-out``), the weight-transfer backend, the processed
     log-probs the actor compares with, and on the CPU build the settings of the colocated
-    engine (:func:`~rlep_megatron.platform.vllm_cpu_engine_settings`). Also needs
-    ``VLLM_SERVER_DEV_MODE=1`` in its environment (:func:`serve_environment`)."""
+    engine (:func:`~rlep_megatron.platform.vllm_cpu_engine_settings`). ``lora_rank``
+    (``rollout.lora_sync=adapter``): the server loads the base from ``model_dir`` itself and
+    takes the policy as LoRA adapters of that rank
+    (:mod:`~rlep_megatron.rollout.servers.adapters`); otherwise it starts with dummy weights,
+    which the first weight update fills. Also needs ``VLLM_SERVER_DEV_MODE=1`` in its
+    environment (:func:`serve_environment`)."""
     from rlep_megatron import platform
 
     cuda = platform.cuda_available() if cuda is None else cuda
@@ -40,7 +45,13 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
             "--tensor-parallel-size", str(cfg.tensor_model_parallel_size),
             "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--weight-transfer-config", json.dumps({"backend": backend}),
-            "--load-format", "dummy", "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log"]
+    if lora_rank:
+        from rlep_megatron.rollout.servers.adapters import serve_flags
+
+        args += serve_flags(lora_rank)
+    else:
+        args += ["--load-format", "dummy"]
     if cfg.server_log_requests:
         args.append("--enable-log-requests")  # INFO lines: serve_environment(log_requests)
     if cuda:  # a rollout rank's server owns its GPU (no actor beside it)
@@ -52,10 +63,11 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
     return args
 
 
-def serve_environment(threads: Optional[int] = None, log_requests: bool = False
-                      ) -> dict[str, str]:
+def serve_environment(threads: Optional[int] = None, log_requests: bool = False,
+                      lora: bool = False) -> dict[str, str]:
     """The environment of a rollout server: its weight-update and pause routes on
-    (``VLLM_SERVER_DEV_MODE``), no hub, the CPU build's KV cache size, ``threads`` CPU
+    (``VLLM_SERVER_DEV_MODE``; ``lora``: and its adapter routes,
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), no hub, the CPU build's KV cache size, ``threads`` CPU
     threads. Without a GPU, a one-rank server runs its model in the engine-core process, as
     vLLM does on a GPU (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the CPU build otherwise adds a
     worker process, which starts in about 10 s more)."""
@@ -63,6 +75,8 @@ def serve_environment(threads: Optional[int] = None, log_requests: bool = False
 
     env = dict(os.environ)
     env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if not platform.cuda_available():
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -104,7 +118,8 @@ class LocalServer:
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(command, env=serve_environment(
-                                            threads, cfg.server_log_requests),
+                                            threads, cfg.server_log_requests,
+                                            lora=bool(kwargs.get("lora_rank"))),
                                         stdout=self._log, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_parent)
 
@@ -146,6 +161,12 @@ class LocalServer:
             self._log.close()
 
 
+def adapter_rank(cfg) -> int:
+    """The LoRA rank the run's servers take adapters of (``rollout.lora_sync=adapter``), else
+    0 (they take full weights)."""
+    return cfg.lora.rank if cfg.lora.enabled and cfg.rollout.lora_sync == "adapter" else 0
+
+
 def serve_rollout_rank(cfg, index: int) -> None:
     """A rollout rank of ``rollout.placement: separate`` (``rollout.num_ranks``): start a
     vLLM server on this node, publish its URL to the job, and watch it until the trainers are
@@ -172,7 +193,8 @@ def serve_rollout_rank(cfg, index: int) -> None:
                          log_path=log_path, threads=threads,
                          dtype=str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1],
                          seed=cfg.trainer.seed, owns_gpu=True,
-                         max_model_len=cfg.data.max_prompt_tokens + rcfg.max_response_tokens)
+                         max_model_len=cfg.data.max_prompt_tokens + rcfg.max_response_tokens,
+                         lora_rank=adapter_rank(cfg))
     try:
         url = server.wait_ready()
         logger.info("rollout rank %d: vLLM server %s ready (log: %s)", index, url, log_path)
