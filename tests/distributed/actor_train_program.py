@@ -6,6 +6,7 @@ launch, each from a freshly built model in its own layout."""
 import argparse
 import contextlib
 import dataclasses
+import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora", default=None,
                         help="a PEFT LoRA adapter directory: the base is frozen and the step "
                              "trains the adapter")
+    parser.add_argument("--save-checkpoint", action="store_true",
+                        help="after the steps, the model's sharded state saved as a training "
+                             "checkpoint's dist/ beside its config.yaml, at <--out>.checkpoint")
     return parser
 
 
@@ -218,12 +222,14 @@ def run_case(args):
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
     lora = {}
+    if args.save_checkpoint:
+        lora["checkpoint"] = save_checkpoint(chunks, args)
     if args.lora:
         from rlep_megatron.lora import peft_io
 
         after = base_weights(chunks)
         unchanged = all(torch.equal(after[name], tensor) for name, tensor in base_before.items())
-        lora = {"adapter": peft_io.full_tensors(chunks),
+        lora = {**lora, "adapter": peft_io.full_tensors(chunks),
                 "base_unchanged": all(distributed.all_gather_object(unchanged)),
                 "trainable": sorted(name for chunk in chunks
                                     for name, p in chunk.named_parameters() if p.requires_grad)}
@@ -238,6 +244,32 @@ def run_case(args):
                     "transformer_engine": info.use_te,
                     "experts_modules": experts_modules,
                     "expert_prehook_calls": prehook_calls[0], **lora}, args.out)
+
+
+def save_checkpoint(chunks, args) -> str:
+    """The model's state as the trainer's checkpoints hold it (``dist/`` through the same
+    sharded state dict, ``config.yaml`` naming the base and the adapter's ``lora`` section)."""
+    from megatron.core import dist_checkpointing
+
+    from rlep_megatron.checkpoint.dist import (keep_save_results_in_process,
+                                               model_sharded_state_dict)
+    from rlep_megatron.config import ModelConfig, RunConfig, dump_config
+    from rlep_megatron.lora import peft_io
+
+    directory = f"{args.out}.checkpoint"
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        os.makedirs(os.path.join(directory, "dist"))
+    distributed.barrier()
+    keep_save_results_in_process()
+    dist_checkpointing.save({"model": model_sharded_state_dict(chunks)},
+                            os.path.join(directory, "dist"))
+    if rank0:
+        lora = peft_io.lora_config_of(args.lora) if args.lora else None
+        dump_config(RunConfig(model=ModelConfig(hf_dir=args.hf_dir),
+                              **({"lora": lora} if lora else {})), directory)
+    distributed.barrier()
+    return directory
 
 
 def base_weights(chunks) -> dict[str, torch.Tensor]:

@@ -126,7 +126,8 @@ TRAIN_CASES = {
         "--lora", "ADAPTER_QWEN2", "--mini-batches", "2", "--distributed-optimizer",
         "--overlap-param-gather"]),
     "tp2-no-step": TRAIN.add("tp2-no-step", 2, "qwen2", ["--lora", "ADAPTER_QWEN2", "--tp", "2",
-                                                        "--train-steps", "0"]),
+                                                        "--train-steps", "0",
+                                                        "--save-checkpoint"]),
 }
 
 
@@ -185,15 +186,33 @@ def test_one_lora_step_equals_peft_with_adamw_on_the_adapter_alone(peft_adapters
 
 
 def test_an_imported_adapter_comes_back_bit_for_bit_when_no_step_is_taken(peft_adapters,
-                                                                          request):
-    """peft's file -> the actor's TP2 shards -> gathered back: every tensor bit-identical."""
+                                                                          request, tmp_path):
+    """peft's file -> the actor's TP2 shards -> gathered back, and -> a training checkpoint ->
+    ``tools/lora_export.py``: every tensor bit-identical, the same PEFT settings."""
+    import json
+
     from safetensors.torch import load_file
+
+    from tests.torchrun import run_tool_in_process
 
     result = TRAIN.result("tp2-no-step", request)
     initial = load_file(f"{peft_adapters['ADAPTER_QWEN2']}/adapter_model.safetensors")
     assert sorted(result["adapter"]) == sorted(initial)
     for name, tensor in initial.items():
         assert torch.equal(result["adapter"][name], tensor), name
+    exported = tmp_path / "exported"
+    done = run_tool_in_process("tools/lora_export.py", ["--checkpoint", result["checkpoint"],
+                                                        "--out-dir", str(exported)])
+    assert done.returncode == 0, done.stderr
+    back = load_file(exported / "adapter_model.safetensors")
+    assert sorted(back) == sorted(initial)
+    for name, tensor in initial.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    config = {k: v for k, v in json.load(open(exported / "adapter_config.json")).items()
+              if k in ("r", "lora_alpha", "target_modules", "peft_type")}
+    theirs = json.load(open(f"{peft_adapters['ADAPTER_QWEN2']}/adapter_config.json"))
+    assert config == {"r": theirs["r"], "lora_alpha": theirs["lora_alpha"], "peft_type": "LORA",
+                      "target_modules": sorted(theirs["target_modules"])}
 
 
 def test_two_optimizer_steps_with_the_parameter_gather_overlapped(request):

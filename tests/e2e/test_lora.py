@@ -1,8 +1,8 @@
 """``rlep train`` with LoRA end to end: on 2 ranks at actor TP2 the run trains the adapter only
-(the rollout engine gets the merged weights and agrees with the actor on every token), is
-killed with SIGKILL and resumes exactly; its checkpoint's adapter exports to PEFT's format,
-which peft loads, and merges into an HF checkpoint that transformers loads, both giving the
-same log-probs."""
+(the rollout engine serves it as a vLLM LoRA on its own base and agrees with the actor on every
+token), is killed with SIGKILL and resumes exactly; its checkpoint's adapter exports to PEFT's
+format, which peft loads, and merges into an HF checkpoint that transformers loads, both giving
+the same log-probs. The adapter mode on a rollout server, and against the merged mode."""
 import json
 import os
 import re
@@ -33,10 +33,11 @@ def test_a_lora_run_resumes_after_kill_and_exports_its_adapter(tiny_qwen2_dir, t
 
     from tests.torchrun import run_tool_in_process
 
-    metrics = straight_equals_resumed(tiny_qwen2_dir, task, LORA, tmp_path, steps=3,
-                                      kill=True)
+    metrics = straight_equals_resumed(tiny_qwen2_dir, task, [*LORA, "rollout.lora_sync=adapter"],
+                                      tmp_path, steps=3, kill=True)
     for entry in metrics[1:]:
-        # the engine samples with base + scale x B A as the actor computes it
+        # the engine samples with base + scale x B A as the actor computes it, also after
+        # the resume (whose engine had no adapter until its first sync)
         assert entry["rollout/logprob_abs_diff"] <= 1e-5, entry["step"]
         assert entry["train/grad_norm"] > 0
     checkpoint = tmp_path / "run" / "checkpoints" / "step_00000003"
