@@ -115,14 +115,16 @@ def test_the_adapter_mode_moves_the_adapter_alone_and_samples_the_same_policy(ti
                                                                               task, tmp_path):
     """``rollout.lora_sync=adapter``: the engine keeps its base and serves the adapter as a vLLM
     LoRA; each sync moves the adapter's bytes only, and the run's every metric equals the
-    merged mode's within float noise (the same policy sampled, the same updates)."""
+    merged mode's within float noise (the same policy sampled, the same updates). At PEFT's
+    default targets for this architecture (``q_proj``, ``v_proj``; the other runs here adapt
+    every projection)."""
     runs = {}
     for mode in ("merged", "adapter"):
         out = tmp_path / mode
         run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
                   *train_overrides(tiny_qwen2_dir, task, str(out), steps=3),
                   *[o for o in LORA if not o.startswith("parallel.")],
-                  f"rollout.lora_sync={mode}"])
+                  "lora.target_modules=[q_proj,v_proj]", f"rollout.lora_sync={mode}"])
         runs[mode] = read_jsonl(out / "metrics.jsonl")
     merged, adapter = runs["merged"], runs["adapter"]
     for a, b in zip(merged[1:], adapter[1:]):
@@ -132,4 +134,4 @@ def test_the_adapter_mode_moves_the_adapter_alone_and_samples_the_same_policy(ti
         ratio = a["weight_sync/bytes"] / b["weight_sync/bytes"]
         print(f"step {a['step']}: merged {a['weight_sync/bytes']:.0f} B, adapter "
               f"{b['weight_sync/bytes']:.0f} B per sync ({ratio:.1f}x fewer)")
-        assert ratio > 5  # rank 8 on every projection of the tiny model: about 10x
+        assert ratio >= 50
