@@ -615,20 +615,42 @@ def _total_params(hf_config: dict, stages: list[StageParams], cfg: RunConfig) ->
             "non_embedding_params": total}
 
 
+def adapter_params(hf_config: dict, lora) -> int:
+    """Parameters of the LoRA adapters a token passes through: ``rank x (in + out)`` for each
+    targeted projection of each layer (a mixture-of-experts layer's MLP has none)."""
+    from rlep_megatron.lora.targets import MLP_TARGETS, projection_shape
+    from rlep_megatron.models import llama_family
+
+    if not lora.enabled:
+        return 0
+    dims = llama_family.dims_from_config(hf_config)
+    count = 0
+    for moe in _moe_layer_flags(hf_config):
+        for name in lora.targets():
+            if not (moe and name in MLP_TARGETS):
+                count += lora.rank * sum(projection_shape(name, dims))
+    return count
+
+
 def step_flops(hf_config: dict, cfg: RunConfig, total: dict) -> dict[str, float]:
     """Model FLOPs of one RL step with every sequence at full length (an upper bound): 2 N per
-    token forward (N: parameters a token passes through, plus the output layer) and
-    ``2 x layers x q x L`` per token for causal attention; training is 3 forwards, the
-    old-log-prob pass (and the reference's) one, the rollout one per token."""
+    token forward (N: parameters a token passes through, plus the output layer, plus LoRA's
+    adapters) and ``2 x layers x q x L`` per token for causal attention; training is 3
+    forwards, the old-log-prob pass (and the reference's) one, the rollout one per token.
+    With LoRA the frozen weights get no weight gradient: their training is 2 forwards (the
+    forward and the input gradients), attention and the adapters' 3."""
     from rlep_megatron.models import llama_family
 
     dims = llama_family.dims_from_config(hf_config)
     n = total["active_params"] + dims.vocab_size * dims.hidden_size
+    adapters = adapter_params(hf_config, cfg.lora)
     prompt, response = cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens
     length = prompt + response
     q = dims.num_attention_heads * dims.head_dim
     layers = int(hf_config["num_hidden_layers"])
-    per_sequence_forward = 2 * n * length + 2 * layers * q * length * length
+    weights = 2 * n * length  # per sequence forward, through the (base) weights
+    rest = 2 * adapters * length + 2 * layers * q * length * length
+    per_sequence_forward = weights + rest
     prompts = cfg.data.train_batch_size
     fresh = prompts * cfg.rollout.num_samples_per_prompt
     trained = prompts * (cfg.rollout.num_samples_per_prompt
@@ -636,7 +658,7 @@ def step_flops(hf_config: dict, cfg: RunConfig, total: dict) -> dict[str, float]
     forwards = 1 + (1 if cfg.algo.kl_coef > 0 else 0)
     out = {"rollout": fresh * per_sequence_forward,
            "logprobs": forwards * trained * per_sequence_forward,
-           "train": 3 * trained * per_sequence_forward}
+           "train": trained * ((2 if cfg.lora.enabled else 3) * weights + 3 * rest)}
     out["total"] = sum(out.values())
     return out
 

@@ -232,6 +232,48 @@ def test_step_flops_match_a_count_of_the_transformers_forward(arch, request):
     assert ours_square == pytest.approx(counted_square / 2, rel=1e-9)
 
 
+def test_lora_train_flops_match_a_count_of_a_peft_models_forward_and_backward(tiny_qwen3_dir):
+    """With LoRA the planner's train FLOPs of one sequence (the frozen weights: forward and
+    input gradients, no weight gradient; the adapters and attention: forward and both
+    gradients) against torch's FLOP counter on peft's model over transformers, its base frozen,
+    forward and backward (the embedding output requires grad, as the actor makes it), at two
+    lengths, split as in the forward test above."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, local_files_only=True,
+                                                dtype=torch.float32, attn_implementation="eager")
+    norms = sum(p.numel() for name, p in base.named_parameters()
+                if "norm" in name and ".layers." in name)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                            target_modules="all-linear"))
+    ours, counted, full = {}, {}, {}
+    for length in (64, 192):
+        shape = ("data.train_batch_size=1", "rollout.num_samples_per_prompt=1",
+                 "replay.num_replays_per_prompt=0", f"data.max_prompt_tokens={length // 2}",
+                 f"rollout.max_response_tokens={length // 2}")
+        config = os.path.join(tiny_qwen3_dir, "config.json")
+        ours[length] = rlep_plan(config, 1, *shape, "lora.rank=4")["flops_per_step"]["train"]
+        full[length] = rlep_plan(config, 1, *shape)["flops_per_step"]["train"]
+        tokens = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
+        embeds = model.get_input_embeddings()(tokens).detach().requires_grad_()
+        with FlopCounterMode(display=False) as counter:
+            model(inputs_embeds=embeds).logits.sum().backward()
+        counted[length] = counter.get_total_flops()
+
+    def split(flops):
+        b = (flops[192] / 192 - flops[64] / 64) / (192 - 64)
+        return flops[64] / 64 - b * 64, b
+
+    (ours_linear, ours_square), (counted_linear, counted_square) = split(ours), split(counted)
+    # the norm weights (in the planner's N, in no matrix product) pass twice: 2 x 2 N
+    assert ours_linear - 4 * norms == pytest.approx(counted_linear, rel=1e-9)
+    assert ours_square == pytest.approx(counted_square / 2, rel=1e-9)
+    assert ours[192] < 0.8 * full[192]  # no weight gradients of the base
+
+
 def test_plan_refuses_bad_input(tiny_qwen2_dir):
     config = os.path.join(tiny_qwen2_dir, "config.json")
     for args, message in (
