@@ -224,8 +224,9 @@ class RolloutConfig:
     """With LoRA (``lora.rank`` > 0), what each weight sync moves into the engine: ``merged``,
     every weight with its adapter merged in (``W + alpha / rank x B A``) through the full
     weight stream, for any engine and placement; ``adapter``, the adapter's tensors alone: the
-    engine keeps the base it loaded from ``model.hf_dir`` and serves the policy as a vLLM LoRA
-    adapter (both placements; docs/lora.md)."""
+    engine (the colocated one, or each rollout server) keeps the base it loaded from
+    ``model.hf_dir`` and serves the policy as a vLLM LoRA adapter, a new one per update
+    (docs/lora.md)."""
     engine_routing: Literal["auto", "output", "capture"] = "auto"
     """Where the engine's routing comes from when ``algo.routing_replay=rollout`` replays it:
     ``output``, vLLM's own ``routed_experts`` (its V2 model runner, CUDA graphs kept; GPU

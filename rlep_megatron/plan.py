@@ -493,7 +493,8 @@ def _stage_memory(cfg: RunConfig, hf_config: dict, stages, gpus: int, dtype_byte
         grads = grad_elements * grad_bytes
         params = ((grad_elements if cfg.optim.use_distributed_optimizer else counted.trainable)
                   + counted.frozen) * dtype_bytes
-        ref = reference * numel * dtype_bytes
+        # LoRA's reference: the initial adapters, and the current ones aside during its pass
+        ref = reference * (2 * counted.trainable if cfg.lora.enabled else numel) * dtype_bytes
         sleeping = (0.0 if cfg.rollout.enable_sleep_mode or separate
                     else rollout_budget)
         train_peak = (params + grads + optim + chosen + logits + ref + sleeping

@@ -77,22 +77,14 @@ class LearningSide:
         self.info = dataclasses.replace(self.info,
                                         logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
         # the KL term's reference: the initial weights, copied before any update or resume
+        # (with LoRA the initial adapters alone, the base being frozen)
         self.reference = None
-        if cfg.algo.kl_coef > 0:
+        if cfg.algo.kl_coef > 0 and not cfg.lora.enabled:
             from rlep_megatron.actor.reference import ReferencePolicy
 
             self.reference = ReferencePolicy(self.chunks, self.info,
                                              offload=cfg.algo.reference_offload)
-        optim = cfg.optim
-        if cfg.lora.enabled:
-            from rlep_megatron.lora import adapters, peft_io
-
-            adapters.attach(self.chunks, self.info, cfg.lora, cfg.trainer.seed)
-            if lora_start is not None:
-                peft_io.assign(self.chunks, lora_start)
-            if cfg.lora.lr is not None:
-                optim = dataclasses.replace(optim, lr=cfg.lora.lr,
-                                            min_lr=min(optim.min_lr, cfg.lora.lr))
+        optim = self._attach_lora(lora_start) if cfg.lora.enabled else cfg.optim
         self.chunks = wrap_ddp(self.chunks, cfg.optim.use_distributed_optimizer,
                                overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
                                overlap_param_gather=cfg.optim.overlap_param_gather,
@@ -140,6 +132,23 @@ class LearningSide:
         # while the engine sleeps (vLLM does not grow its cache by itself: raise the setting)
         self.offload_train_state_now()
 
+    def _attach_lora(self, lora_start):
+        """The adapters on the built chunks (``lora_start``: an adapter to start from), the
+        KL term's reference on them, and the optimizer settings of the adapters."""
+        from rlep_megatron.lora import adapters, peft_io
+
+        cfg = self.cfg
+        adapters.attach(self.chunks, self.info, cfg.lora, cfg.trainer.seed)
+        if lora_start is not None:
+            peft_io.assign(self.chunks, lora_start)
+        if cfg.algo.kl_coef > 0:
+            from rlep_megatron.actor.reference import InitialAdapters
+
+            self.reference = InitialAdapters(self.chunks, self.info)
+        if cfg.lora.lr is None:
+            return cfg.optim
+        return dataclasses.replace(cfg.optim, lr=cfg.lora.lr,
+                                   min_lr=min(cfg.optim.min_lr, cfg.lora.lr))
     def connect(self, pad_id: int, routing_unavailable: Optional[str],
                 engine_routing: bool) -> None:
         """What the learner needs of the rollout engine, as values: ``pad_id`` pads training

@@ -5,6 +5,10 @@ It is built from the actor's chunks before any update (and before a resume loads
 into the actor), so it always holds the run's initial weights; checkpoints need not store it.
 With ``offload`` (GPU only) its weights live in CPU memory between uses and move to the GPU for
 each forward pass.
+
+With LoRA (:class:`InitialAdapters`) no copy of the model is made: the base is frozen, so the
+initial policy is the actor's own base with its adapters' initial values, which are kept (the
+adapters' size) and put in place for each reference pass.
 """
 from __future__ import annotations
 
@@ -63,3 +67,33 @@ class ReferencePolicy:
             return actor_logprobs(chunks, self.info, input_ids, micro_batch_size, temperature,
                                   everywhere=False, lengths=lengths,
                                   pack_max_tokens=pack_max_tokens)
+
+
+class InitialAdapters(ReferencePolicy):
+    """The reference of a LoRA actor: the actor's chunks, their adapters' parameters set to the
+    values they had when this was built (fresh adapters: B = 0, the base itself; with
+    ``lora.init_from``, the imported adapter) for the duration of each pass, and restored
+    after it bit for bit."""
+
+    def __init__(self, actor_chunks: list[torch.nn.Module], info: ActorModelInfo):
+        from rlep_megatron.lora.adapters import is_adapter_parameter
+
+        self.info, self.offload = info, False
+        self.chunks = actor_chunks  # the same parameter objects after DDP wraps them
+        self.parameters = [param for chunk in actor_chunks
+                           for name, param in unwrap(chunk).named_parameters()
+                           if is_adapter_parameter(name)]
+        self.initial = [param.detach().clone() for param in self.parameters]
+
+    @contextlib.contextmanager
+    def on_device(self):
+        current = [param.detach().clone() for param in self.parameters]
+        with torch.no_grad():
+            for param, initial in zip(self.parameters, self.initial):
+                param.copy_(initial)
+        try:
+            yield self.chunks
+        finally:
+            with torch.no_grad():
+                for param, value in zip(self.parameters, current):
+                    param.copy_(value)

@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora", default=None,
                         help="a PEFT LoRA adapter directory: the base is frozen and the step "
                              "trains the adapter")
+    parser.add_argument("--reference", action="store_true",
+                        help="with --lora: the KL term's reference (the initial adapters on the "
+                             "actor's base) built before the step, its log-probs taken after it")
     parser.add_argument("--save-checkpoint", action="store_true",
                         help="after the steps, the model's sharded state saved as a training "
                              "checkpoint's dist/ beside its config.yaml, at <--out>.checkpoint")
@@ -157,6 +160,11 @@ def run_case(args):
 
         attach_adapter(chunks, info, args.lora)
         base_before = base_weights(chunks)
+    reference = None
+    if args.reference:  # as the learner builds it: after the adapters, before DDP
+        from rlep_megatron.actor.reference import InitialAdapters
+
+        reference = InitialAdapters(chunks, info)
     experts_modules = sorted({type(module).__name__ for chunk in chunks
                               for name, module in chunk.named_modules()
                               if name.endswith("mlp.experts")})
@@ -222,6 +230,24 @@ def run_case(args):
     merged = {name: tensor.clone()
               for name, tensor in WeightStreamer(chunks, info, 64 * 1024).iter_tensors()}
     lora = {}
+    if reference is not None:
+        from rlep_megatron.lora import peft_io
+
+        trained = peft_io.full_tensors(chunks)
+        ref_logp = reference.logprobs(input_ids, NUM_SEQUENCES, 1.0, **packing)
+        ref_logp = distributed.broadcast(
+            torch.zeros(input_ids.shape) if ref_logp is None else ref_logp,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group()).cpu()
+        restored = all(torch.equal(trained[name], tensor)
+                       for name, tensor in peft_io.full_tensors(chunks).items())
+        new = sequence_logprobs(chunks, info, input_ids, micro_batch_size=NUM_SEQUENCES,
+                                **packing)
+        new_logp = distributed.broadcast(
+            torch.zeros(input_ids.shape) if new is None else new["logp"],
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group()).cpu()
+        lora.update(ref_logp=ref_logp, new_logp=new_logp, restored_after_reference=restored)
     if args.save_checkpoint:
         lora["checkpoint"] = save_checkpoint(chunks, args)
     if args.lora:

@@ -112,7 +112,7 @@ TRAIN_CASES = {
     "tp1": TRAIN.add("tp1", 1, "qwen2", ["--lora", "ADAPTER_QWEN2", *REALISTIC]),
     "tp2-sp-distopt": TRAIN.add("tp2-sp-distopt", 2, "qwen2",
                                 ["--lora", "ADAPTER_QWEN2", "--tp", "2", "--sp",
-                                 "--distributed-optimizer", *REALISTIC]),
+                                 "--distributed-optimizer", "--reference", *REALISTIC]),
     "pp2-packed": TRAIN.add("pp2-packed", 2, "qwen2",
                             ["--lora", "ADAPTER_QWEN2", "--pp", "2", "--packing", *REALISTIC]),
     "dp2": TRAIN.add("dp2", 2, "qwen2", ["--lora", "ADAPTER_QWEN2", *REALISTIC]),
@@ -213,6 +213,18 @@ def test_an_imported_adapter_comes_back_bit_for_bit_when_no_step_is_taken(peft_a
     theirs = json.load(open(f"{peft_adapters['ADAPTER_QWEN2']}/adapter_config.json"))
     assert config == {"r": theirs["r"], "lora_alpha": theirs["lora_alpha"], "peft_type": "LORA",
                       "target_modules": sorted(theirs["target_modules"])}
+
+
+def test_the_kl_reference_is_the_initial_adapter_on_the_actors_own_base(request):
+    """``algo.kl_coef`` > 0 with LoRA: after a step (TP2 + SP, the distributed optimizer's
+    parameter buffer), the reference pass gives the log-probs the policy had before the step,
+    from the actor's own chunks (no copy of the base), and leaves the trained adapters as they
+    were, bit for bit."""
+    result = TRAIN.result("tp2-sp-distopt", request)
+    torch.testing.assert_close(result["ref_logp"], result["clean_old_logp"], rtol=0, atol=1e-6)
+    assert result["restored_after_reference"]
+    # the trained policy's, after the reference pass, are those of the step's update
+    assert (result["new_logp"] - result["clean_old_logp"]).abs().max() > 1e-4
 
 
 def test_two_optimizer_steps_with_the_parameter_gather_overlapped(request):

@@ -117,21 +117,26 @@ def test_the_adapter_mode_moves_the_adapter_alone_and_samples_the_same_policy(ti
     LoRA; each sync moves the adapter's bytes only, and the run's every metric equals the
     merged mode's within float noise (the same policy sampled, the same updates). At PEFT's
     default targets for this architecture (``q_proj``, ``v_proj``; the other runs here adapt
-    every projection)."""
+    every projection), with a KL term: its reference is the initial adapter on the actor's own
+    base, the base itself at the first step."""
     runs = {}
     for mode in ("merged", "adapter"):
         out = tmp_path / mode
         run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
                   *train_overrides(tiny_qwen2_dir, task, str(out), steps=3),
                   *[o for o in LORA if not o.startswith("parallel.")],
-                  "lora.target_modules=[q_proj,v_proj]", f"rollout.lora_sync={mode}"])
+                  "lora.target_modules=[q_proj,v_proj]", "algo.kl_coef=0.01",
+                  f"rollout.lora_sync={mode}"])
         runs[mode] = read_jsonl(out / "metrics.jsonl")
     merged, adapter = runs["merged"], runs["adapter"]
     for a, b in zip(merged[1:], adapter[1:]):
         assert b["rollout/logprob_abs_diff"] <= 1e-5, b["step"]
         assert b["rollout/response_len_mean"] == a["rollout/response_len_mean"]
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+        assert b["train/kl"] == pytest.approx(a["train/kl"], rel=1e-4, abs=1e-9)
         ratio = a["weight_sync/bytes"] / b["weight_sync/bytes"]
         print(f"step {a['step']}: merged {a['weight_sync/bytes']:.0f} B, adapter "
               f"{b['weight_sync/bytes']:.0f} B per sync ({ratio:.1f}x fewer)")
         assert ratio >= 50
+    assert adapter[1]["train/ref_logp_abs_diff_max"] == 0  # B = 0: the policy is the base
+    assert adapter[2]["train/ref_logp_abs_diff_max"] > 1e-4
