@@ -12,6 +12,8 @@ request driver (:mod:`.requests`).
   ``/update_weights`` per bucket, ``/finish_weight_update`` with the policy version as the
   server's weight version): the HF tensors of :class:`~rlep_megatron.weight_sync.WeightStreamer`
   over vLLM's ``nccl`` engine on GPU, or ``rlep_gloo`` (:mod:`.gloo_transfer`) on the host.
+  With LoRA in ``rollout.lora_sync=adapter`` the servers load the base themselves and each
+  update is a new vLLM LoRA adapter (:mod:`.adapters`).
 - Around each update, ``/pause`` and ``/resume``: ``rollout.carry_over`` ``resume`` or
   ``restart`` abort the requests in flight (their tokens so far come back and are kept, or
   dropped) and submit them again after the update; ``keep`` freezes them on the server, and
