@@ -473,7 +473,9 @@ def _stage_memory(cfg: RunConfig, hf_config: dict, stages, gpus: int, dtype_byte
     per_param_state = (4 if dtype_bytes != 4 else 0) + 8
     if dtype_bytes != 4 and cfg.optim.grad_reduce_dtype != "float32":
         per_param_state += 4  # the float32 copy of the 16-bit gradient shard at each step
-    reference = 0.0 if cfg.algo.kl_coef <= 0 or cfg.algo.reference_offload else 1.0
+    # (LoRA's reference, the initial adapters, stays on the device)
+    reference = (0.0 if cfg.algo.kl_coef <= 0
+                 or (cfg.algo.reference_offload and not cfg.lora.enabled) else 1.0)
     per_stage = []
     # gradient buffers: float32, or the parameters' dtype with optim.grad_reduce_dtype=bfloat16
     grad_bytes = 4 if cfg.optim.grad_reduce_dtype == "float32" else dtype_bytes

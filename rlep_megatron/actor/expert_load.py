@@ -12,6 +12,8 @@ and pipeline stages hold disjoint tokens or layers).
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional
 
 import torch
@@ -45,6 +47,17 @@ class ExpertLoad:
         self.skip_rows: Optional[torch.Tensor] = None
         """Rows of the pass not to count (placeholder rows), or ``None``."""
         self._handles: list = []
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """No counting for the duration (a pass through the actor's routers that is not the
+        policy's: LoRA's KL reference runs on the actor's own chunks)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def __enter__(self) -> "ExpertLoad":
         routing.count_expert_load(self)
@@ -60,6 +73,8 @@ class ExpertLoad:
 
     def _hook(self, layer: int):
         def count(_module, _inputs, output):
+            if self._paused:
+                return
             routing_map = output[1]
             if self.valid is not None:
                 if self.valid.numel() != routing_map.shape[0]:

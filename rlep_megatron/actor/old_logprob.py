@@ -97,8 +97,10 @@ def old_logprob_pass(side, batch: StepBatch, plan: list[list[int]], load):
         old = actor_logprobs(side.chunks, side.info, ids, micro, temperature,
                              everywhere=False, **batching)
     load.skip_rows = None
-    ref = (side.reference.logprobs(ids, micro, temperature, **batching)
-           if side.reference is not None else None)
+    ref = None
+    if side.reference is not None:
+        with load.paused():  # (LoRA's reference passes through the actor's own routers)
+            ref = side.reference.logprobs(ids, micro, temperature, **batching)
     if old is None:
         # not the last pipeline stage: it only feeds activations forward; the loss and the
         # metrics below live on the last stage (old_logprob broadcasts the metrics)

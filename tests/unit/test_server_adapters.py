@@ -43,10 +43,9 @@ class _Client:
     def call(self, method, path, **kwargs):
         from rlep_megatron.rollout.servers.client import RolloutServerError
 
-        if isinstance(self.answer, Exception):
-            raise self.answer
-        if isinstance(self.answer, int):
-            return {"results": [{"max_lora_rank": self.answer}]}
+        if isinstance(self.answer, tuple):
+            rank, updating = self.answer
+            return {"results": [{"max_lora_rank": rank, "runtime_updating": updating}]}
         raise RolloutServerError(f"rollout server {self.url} answered {path} with 500")
 
 
@@ -58,7 +57,9 @@ class _Clients:
 @pytest.mark.parametrize("answer, needle", [
     (None, r"does not take LoRA adapters .*--enable-lora --max-lora-rank 8 --max-loras 1 "
            r"--worker-extension-cls .*VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"),
-    (1, "up to rank 1, below lora.rank=8: start it with --max-lora-rank 8"),
+    ((0, True), "runs without --enable-lora"),
+    ((8, False), "runs without VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"),
+    ((1, True), "up to rank 1, below lora.rank=8: start it with --max-lora-rank 8"),
 ])
 def test_a_server_that_cannot_take_the_adapter_is_refused(answer, needle):
     from rlep_megatron.config import LoraConfig
@@ -67,7 +68,7 @@ def test_a_server_that_cannot_take_the_adapter_is_refused(answer, needle):
 
     with pytest.raises(RolloutServerError, match=needle):
         ServerAdapters(_Clients(answer), LoraConfig(rank=8), "base", timeout_s=60)
-    ServerAdapters(_Clients(8), LoraConfig(rank=8), "base", timeout_s=60)
+    ServerAdapters(_Clients((8, True)), LoraConfig(rank=8), "base", timeout_s=60)
 
 
 def test_an_adapter_sent_in_parts_arrives_whole(tmp_path, monkeypatch):
@@ -85,7 +86,7 @@ def test_an_adapter_sent_in_parts_arrives_whole(tmp_path, monkeypatch):
     tensors = {f"base_model.model.model.layers.0.self_attn.q_proj.lora_{f}.weight":
                torch.randn(4, 64) for f in "AB"}
     payload = save(tensors)
-    name, other = "rlep-0abc-1", "rlep-0abc-2"
+    name, other = "rlep-0abc-s0-1", "rlep-0abc-s0-2"
     for worker in workers:
         for index in range(0, len(payload), adapters.PART_BYTES):
             part = base64.b64encode(payload[index:index + adapters.PART_BYTES]).decode()
@@ -101,5 +102,76 @@ def test_an_adapter_sent_in_parts_arrives_whole(tmp_path, monkeypatch):
     workers[0].rlep_adapter_part(other, "0", base64.b64encode(payload).decode())
     workers[0].rlep_adapter_remove(name, "job")  # every adapter of the job, staged ones too
     assert os.listdir(tmp_path / "rlep-server-adapters") == []
-    with pytest.raises(ValueError, match="not an adapter name"):
+    with pytest.raises(ValueError, match="not an adapter directory"):
         workers[0].rlep_adapter_remove("../../etc")
+
+
+class _Server:
+    """A server's routes as ServerAdapters uses them, over real worker extensions (two
+    workers: the first of the host writes); a loaded adapter is read back from its files."""
+
+    def __init__(self, url):
+        from types import SimpleNamespace
+
+        from rlep_megatron.rollout.servers.adapters import AdapterWorkerExtension
+
+        self.url, self.loaded, self.versions = url, {}, []
+        self.workers = []
+        for local_rank in (0, 1):
+            worker = AdapterWorkerExtension()
+            worker.local_rank = local_rank
+            worker.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=8))
+            self.workers.append(worker)
+
+    def world_size(self):
+        return len(self.workers)
+
+    def call(self, method, path, json=None, **kwargs):
+        from safetensors.torch import load_file
+
+        if path == "/collective_rpc":
+            return {"results": [getattr(w, json["method"])(*json["args"])
+                                for w in self.workers]}
+        if path == "/v1/load_lora_adapter":
+            weights = os.path.join(json["lora_path"], "adapter_model.safetensors")
+            self.loaded[json["lora_name"]] = load_file(weights)
+        elif path == "/v1/unload_lora_adapter":
+            del self.loaded[json["lora_name"]]
+        elif path == "/update_weight_version":
+            self.versions.append(json["new_version"])
+        return "ok"
+
+
+def test_servers_sharing_a_host_each_get_every_update_whole(tmp_path, monkeypatch):
+    """Two servers of one job on one host (a rollout node's servers): at each update each
+    loads the update's adapter intact from a directory of its own, the previous one is
+    unloaded and its files gone, and nothing of the job is left after it closes."""
+    from rlep_megatron.config import LoraConfig
+    from rlep_megatron.rollout.servers import adapters
+    from rlep_megatron.rollout.servers.client import FanOutClient
+
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    monkeypatch.setattr(adapters, "PART_BYTES", 700)  # many parts, sent by both at once
+    servers = [_Server("http://gen0:8000"), _Server("http://gen0:8001")]
+    delivery = adapters.ServerAdapters(FanOutClient(servers), LoraConfig(rank=8), "base",
+                                       timeout_s=60)
+    names = []
+    for version in (0, 1):
+        tensors = {f"base_model.model.model.layers.{layer}.self_attn.q_proj.lora_{f}.weight":
+                   torch.randn(8, 64, generator=torch.Generator().manual_seed(version))
+                   for layer in range(2) for f in "AB"}
+        delivery.start()
+        delivery.send(iter(tensors.items()))
+        delivery.finish(str(version))
+        names.append(delivery.current)
+        for server in servers:
+            assert list(server.loaded) == [delivery.current]  # the previous one unloaded
+            got = server.loaded[delivery.current]
+            assert got.keys() == tensors.keys()
+            assert all(torch.equal(got[k], v) for k, v in tensors.items())
+        assert len(os.listdir(tmp_path / "rlep-server-adapters")) == 2  # one per server
+    assert names[0] != names[1] and servers[0].versions == ["0", "1"]
+    delivery.close()
+    assert os.listdir(tmp_path / "rlep-server-adapters") == []
+    assert all(not server.loaded for server in servers)

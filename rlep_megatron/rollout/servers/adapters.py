@@ -5,7 +5,8 @@ the adapter's tensors alone.
 Trainer end (:class:`ServerAdapters`, global rank 0): the update's tensors (PEFT names, from
 :class:`~rlep_megatron.weight_sync.adapters.AdapterStreamer`) become one safetensors file, sent
 in parts over the servers' ``/collective_rpc`` route to :class:`AdapterWorkerExtension`, which
-writes it as a PEFT directory on the server's host; ``/v1/load_lora_adapter`` then loads it
+writes it as a PEFT directory on the server's host (one per server: servers may share a
+host); ``/v1/load_lora_adapter`` then loads it
 under a new name (a new LoRA id per update: neither vLLM's adapter cache nor its prefix cache
 reuses the previous policy's), the generate requests name it, and the previous adapter is
 unloaded and its directory removed. The same path on GPU and CPU servers: the bytes are few.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import re
 import uuid
@@ -28,9 +30,13 @@ import torch
 
 from rlep_megatron.rollout.servers.client import RolloutServerError
 
+logger = logging.getLogger(__name__)
+
 WORKER_EXTENSION = f"{__name__}.AdapterWorkerExtension"
 PART_BYTES = 32 * 1024 ** 2  # raw bytes per /collective_rpc call (base64 adds a third)
-_NAME = re.compile(r"^rlep-[0-9a-f]+-\d+$")
+# an adapter's directory on a server's host: rlep-<job>-s<server>-<update> (servers of one
+# job may share a host: each writes its own)
+_DIRECTORY = re.compile(r"^rlep-[0-9a-f]+-s\d+-\d+$")
 
 
 def serve_flags(rank: int) -> list[str]:
@@ -56,23 +62,31 @@ class ServerAdapters:
         self.received: dict[str, torch.Tensor] = {}
         self.check()
 
-    def _rpc(self, client, method: str, *args: str):
-        return client.call("POST", "/collective_rpc", timeout=self.timeout_s,
+    def _rpc(self, client, method: str, *args: str, timeout_s: Optional[float] = None):
+        return client.call("POST", "/collective_rpc", timeout=timeout_s or self.timeout_s,
                            json={"method": method, "args": list(args)})["results"]
 
     def check(self) -> None:
         from rlep_megatron.lora.serving import lora_slot_rank
 
         needed = lora_slot_rank(self.lora.rank)
+        start = (f"start it with {' '.join(serve_flags(needed))} and "
+                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment (rlep init "
+                 "--rollout-servers prints the command), or use rollout.lora_sync=merged")
         for client in self.clients.clients:
             try:
-                ranks = [int(r["max_lora_rank"]) for r in self._rpc(client, "rlep_adapter_info")]
+                workers = self._rpc(client, "rlep_adapter_info")
+                ranks = [int(w["max_lora_rank"]) for w in workers]
+                updating = all(w["runtime_updating"] for w in workers)
             except (RolloutServerError, KeyError, TypeError, ValueError) as err:
                 raise RolloutServerError(
                     f"rollout server {client.url} does not take LoRA adapters "
-                    f"(rollout.lora_sync=adapter): start it with {' '.join(serve_flags(needed))}"
-                    " and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment, or use "
-                    f"rollout.lora_sync=merged ({err})") from err
+                    f"(rollout.lora_sync=adapter): {start} ({err})") from err
+            if min(ranks) == 0 or not updating:
+                raise RolloutServerError(
+                    f"rollout server {client.url} runs without "
+                    f"{'--enable-lora' if min(ranks) == 0 else 'VLLM_ALLOW_RUNTIME_LORA_UPDATING=1'}"
+                    f" (rollout.lora_sync=adapter): {start}")
             if min(ranks) < self.lora.rank:
                 raise RolloutServerError(
                     f"rollout server {client.url} serves LoRA adapters up to rank {min(ranks)}, "
@@ -104,10 +118,11 @@ class ServerAdapters:
                  for i in range(0, len(payload), PART_BYTES)] or [""]
         self.received = {}
 
-        def load(client, _):
+        def load(client, server):
+            directory = self._directory(server, self.updates)
             for index, part in enumerate(parts):
-                self._rpc(client, "rlep_adapter_part", name, str(index), part)
-            path = self._rpc(client, "rlep_adapter_commit", name, config)[0]
+                self._rpc(client, "rlep_adapter_part", directory, str(index), part)
+            path = self._rpc(client, "rlep_adapter_commit", directory, config)[0]
             client.call("POST", "/v1/load_lora_adapter", timeout=self.timeout_s,
                         json={"lora_name": name, "lora_path": path})
 
@@ -116,22 +131,36 @@ class ServerAdapters:
         if label is not None:
             self.clients.update_weight_version(label)
         if previous is not None:
-            self.clients.each(lambda client, _: self._drop(client, previous))
+            for server, client in enumerate(self.clients.clients):
+                self._drop(client, previous, self._directory(server, self.updates - 1))
 
-    def _drop(self, client, name: str) -> None:
-        """``name`` unloaded from ``client``'s server and its directory removed."""
-        client.call("POST", "/v1/unload_lora_adapter", timeout=self.timeout_s,
-                    json={"lora_name": name})
-        self._rpc(client, "rlep_adapter_remove", name)
+    def _directory(self, server: int, update: int) -> str:
+        return f"rlep-{self.job}-s{server}-{update}"
+
+    def _drop(self, client, name: str, directory: str, timeout_s: float = 60.0) -> None:
+        """The adapter ``name`` unloaded from ``client``'s server and its ``directory``
+        removed; best effort (a server that fails here fails the next request or update)."""
+        try:
+            client.call("POST", "/v1/unload_lora_adapter", timeout=timeout_s,
+                        json={"lora_name": name})
+            self._rpc(client, "rlep_adapter_remove", directory, timeout_s=timeout_s)
+        except RolloutServerError as err:
+            logger.warning("could not remove the previous LoRA adapter %s from %s: %s", name,
+                           client.url, err)
 
     def close(self) -> None:
-        """This job's adapters gone from the servers, which may outlive it (best effort)."""
-        for client in self.clients.clients:
+        """This job's adapters gone from the servers, which may outlive it (best effort, also
+        after a failure: nothing here waits on the trainer's other ranks)."""
+        for server, client in enumerate(self.clients.clients):
             with contextlib.suppress(Exception):
                 if self.current is not None:
                     client.call("POST", "/v1/unload_lora_adapter", timeout=10,
                                 json={"lora_name": self.current})
-                self._rpc(client, "rlep_adapter_remove", f"rlep-{self.job}-0", "job")
+            with contextlib.suppress(Exception):
+                self._rpc(client, "rlep_adapter_remove", self._directory(server, 0), "job",
+                          timeout_s=10)
+
+    abandon = close
 
 
 def _adapter_root() -> str:
@@ -141,10 +170,10 @@ def _adapter_root() -> str:
     return os.path.join(tempfile.gettempdir(), "rlep-server-adapters")
 
 
-def _checked(name: str) -> str:
-    if not _NAME.match(name):
-        raise ValueError(f"not an adapter name of rlep: {name!r}")
-    return name
+def _checked(directory: str) -> str:
+    if not _DIRECTORY.match(directory):
+        raise ValueError(f"not an adapter directory of rlep: {directory!r}")
+    return directory
 
 
 class AdapterWorkerExtension:
@@ -153,16 +182,19 @@ class AdapterWorkerExtension:
     loads an adapter in each worker from the path)."""
 
     def rlep_adapter_info(self) -> dict:
+        import vllm.envs as envs
+
         lora = self.vllm_config.lora_config
-        return {"max_lora_rank": lora.max_lora_rank if lora is not None else 0}
+        return {"max_lora_rank": lora.max_lora_rank if lora is not None else 0,
+                "runtime_updating": bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)}
 
     def _rlep_writes(self) -> bool:
         return self.local_rank == 0
 
-    def rlep_adapter_part(self, name: str, index: str, part: str) -> None:
+    def rlep_adapter_part(self, directory: str, index: str, part: str) -> None:
         if not self._rlep_writes():
             return
-        staging = os.path.join(_adapter_root(), f".{_checked(name)}.partial")
+        staging = os.path.join(_adapter_root(), f".{_checked(directory)}.partial")
         if index == "0":
             import shutil
 
@@ -171,26 +203,26 @@ class AdapterWorkerExtension:
         with open(os.path.join(staging, "adapter_model.safetensors"), "ab") as f:
             f.write(base64.b64decode(part))
 
-    def rlep_adapter_commit(self, name: str, config: str) -> str:
+    def rlep_adapter_commit(self, directory: str, config: str) -> str:
         """The adapter's directory: its config written beside its weights, then moved into
         place whole."""
-        final = os.path.join(_adapter_root(), _checked(name))
+        final = os.path.join(_adapter_root(), _checked(directory))
         if self._rlep_writes():
-            staging = os.path.join(_adapter_root(), f".{name}.partial")
+            staging = os.path.join(_adapter_root(), f".{directory}.partial")
             with open(os.path.join(staging, "adapter_config.json"), "w") as f:
                 f.write(config)
             os.replace(staging, final)
         return final
 
-    def rlep_adapter_remove(self, name: str, scope: str = "adapter") -> None:
-        """Remove the adapter ``name``'s directory, or (``scope`` ``job``) every adapter of the
-        job that named it."""
+    def rlep_adapter_remove(self, directory: str, scope: str = "adapter") -> None:
+        """Remove the adapter ``directory``, or (``scope`` ``job``) every one of the job and
+        server that ``directory`` belongs to (its last ``-<update>`` dropped)."""
         import shutil
 
         if not self._rlep_writes():
             return
         root = _adapter_root()
-        name = _checked(name)
+        name = _checked(directory)
         prefix = name.rsplit("-", 1)[0] + "-" if scope == "job" else None
         for entry in (os.listdir(root) if os.path.isdir(root) else []):
             plain = entry.lstrip(".").removesuffix(".partial")

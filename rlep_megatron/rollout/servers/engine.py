@@ -358,6 +358,8 @@ class ServerEngine:
         if self.clients is None:
             return
         self.health.closed.set()
+        if self.lora is not None:
+            self.weights.abandon()  # this job's adapters off the servers' hosts
         for client in self.clients.clients:
             with contextlib.suppress(Exception):
                 client.call("POST", "/abort_requests", json={}, timeout=5)
