@@ -107,6 +107,10 @@ def compute_and_save(args):
         forced = torch.load(args.forced_routing)
         replaying = replay.replaying({layer: forced[layer] for layer in replay.layers})
     with ExpertLoad(chunks) as load, replaying:
+        if load.routers and not args.forced_routing:
+            with load.paused():  # a pass that is not counted (as LoRA's KL reference)
+                sequence_logprobs(chunks, info, input_ids[:2], micro_batch_size=2,
+                                  lengths=lengths[:2], pack_max_tokens=args.pack_max_tokens)
         result = sequence_logprobs(chunks, info, input_ids, micro_batch_size=2,
                                    with_entropy=True, lengths=lengths,
                                    pack_max_tokens=args.pack_max_tokens)

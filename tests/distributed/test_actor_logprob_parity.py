@@ -103,7 +103,8 @@ def test_expert_and_sequence_parallel_logprobs_match_transformers(case_id, reque
     result = check_against_transformers(case_id, request)
     if arch == "qwen3_moe":
         # the expert-load counts (moe/load_imbalance) are transformers' own routing of the
-        # real tokens: its router logits' top-2 per token, counted per layer and expert
+        # real tokens: its router logits' top-2 per token, counted per layer and expert (a
+        # paused pass before it not counted)
         assert torch.equal(result["expert_counts"], hf_expert_counts(
             hf_dir, result["input_ids"], result["lengths"]))
 
