@@ -634,6 +634,8 @@ class OptimConfig:
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# vLLM's LoRA slots come in these ranks (an adapter of a smaller rank fits a larger slot)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)
@@ -910,6 +912,12 @@ class RunConfig:
             raise ValueError(problem)
 
     @property
+    def syncs_adapters(self) -> bool:
+        """Whether each weight sync moves the LoRA adapter alone (``rollout.lora_sync=adapter``
+        with ``lora.rank`` > 0): the engine keeps its base and serves the adapter."""
+        return self.lora.enabled and self.rollout.lora_sync == "adapter"
+
+    @property
     def actor_transformer_engine(self) -> str:
         """``model.transformer_engine`` as the actor is built: ``off`` with LoRA (the adapters
         sit on megatron-core's local linears)."""
@@ -964,9 +972,9 @@ def _lora_problem(cfg: "RunConfig") -> Optional[str]:
         return ("rollout.lora_sync=adapter with model.mcore_dir: the engine's base comes from "
                 "model.hf_dir and is never streamed, so it must be the actor's; drop "
                 "model.mcore_dir or use rollout.lora_sync=merged")
-    if lora.rank > 512:
+    if lora.rank > VLLM_LORA_RANKS[-1]:
         return (f"lora.rank={lora.rank} with rollout.lora_sync=adapter: vLLM's largest LoRA "
-                "rank is 512; use rollout.lora_sync=merged")
+                f"rank is {VLLM_LORA_RANKS[-1]}; use rollout.lora_sync=merged")
     return None
 
 

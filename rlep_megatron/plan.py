@@ -356,8 +356,9 @@ def plan(cfg: RunConfig, hf_config: dict, gpus: int, gpu_mem_gib: Optional[float
         spec = "local"  # the adapters sit on megatron-core's local linears
     result = _plan(cfg, hf_config, gpus, gpu_mem_gib, mfu, gpu, spec)
     if cfg.lora.enabled:  # beside it, the same job without LoRA
-        full = _plan(_changed(cfg, {"lora.rank": 0}), hf_config, gpus, gpu_mem_gib, mfu, gpu,
-                     spec)
+        # (the section's other keys off too: lora.lr or init_from without a rank is refused)
+        full = _plan(_changed(cfg, {"lora.rank": 0, "lora.lr": None, "lora.init_from": ""}),
+                     hf_config, gpus, gpu_mem_gib, mfu, gpu, spec)
         result["full_fine_tuning"] = {key: full[key] for key in (
             "peak_train_gib", "peak_rollout_gib", "fits")}
         result["full_fine_tuning"]["optimizer_gib"] = max(

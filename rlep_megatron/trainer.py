@@ -74,11 +74,10 @@ def build_engine(cfg: RunConfig, learner):
     started with dummy weights (the first weight sync fills them)."""
     from rlep_megatron.rollout.factory import build_engine as build
 
-    adapter = cfg.lora.enabled and cfg.rollout.lora_sync == "adapter"
     return build(cfg, dtype=str(learner.info.params_dtype).split(".")[-1],
                  capture_routing=learner.moe and cfg.trainer.max_staleness == 0,
                  eager_for_routing=cfg.algo.routing_replay == "rollout",
-                 lora=cfg.lora if adapter else None)
+                 lora=cfg.lora if cfg.syncs_adapters else None)
 
 
 def build_scheduler(cfg: RunConfig, engine, ends_at_checkpoint):

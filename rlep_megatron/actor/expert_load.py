@@ -13,7 +13,6 @@ and pipeline stages hold disjoint tokens or layers).
 from __future__ import annotations
 
 import contextlib
-
 from typing import Optional
 
 import torch

@@ -117,7 +117,7 @@ class LearningSide:
         from rlep_megatron.weight_sync import WeightStreamer
 
         # the weights as the rollout engine takes them (the loop delivers them)
-        if cfg.lora.enabled and cfg.rollout.lora_sync == "adapter":
+        if cfg.syncs_adapters:
             from rlep_megatron.weight_sync.adapters import AdapterStreamer
 
             self.streamer = AdapterStreamer(self.chunks)  # the adapter alone
@@ -149,6 +149,7 @@ class LearningSide:
             return cfg.optim
         return dataclasses.replace(cfg.optim, lr=cfg.lora.lr,
                                    min_lr=min(cfg.optim.min_lr, cfg.lora.lr))
+
     def connect(self, pad_id: int, routing_unavailable: Optional[str],
                 engine_routing: bool) -> None:
         """What the learner needs of the rollout engine, as values: ``pad_id`` pads training

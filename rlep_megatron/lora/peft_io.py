@@ -24,6 +24,11 @@ def peft_name(layer: int, projection: str, factor: str) -> str:
             f".lora_{factor}.weight")
 
 
+def targets_of(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The projections (``q_proj``, ...) a set of PEFT-named adapter tensors adapts."""
+    return {name.split(".")[-3] for name in tensors}
+
+
 def peft_config(lora, base_model: str = "", targets=None) -> dict:
     """``adapter_config.json`` of an adapter trained with ``lora`` (a
     :class:`~rlep_megatron.config.LoraConfig`); ``targets``: the projections it adapts (default
@@ -87,9 +92,8 @@ def save(directory: str, tensors: dict[str, torch.Tensor], lora, base_model: str
     save_file(weights, partial, metadata={"format": "pt"})
     os.replace(partial, os.path.join(directory, WEIGHTS_FILE))
     partial = os.path.join(directory, CONFIG_FILE + ".partial")
-    targets = {name.split(".")[-3] for name in tensors}
     with open(partial, "w") as f:
-        json.dump(peft_config(lora, base_model, targets), f, indent=2)
+        json.dump(peft_config(lora, base_model, targets_of(tensors)), f, indent=2)
     os.replace(partial, os.path.join(directory, CONFIG_FILE))
 
 

@@ -3,8 +3,7 @@ has, and the engine settings that make room for one adapter of a run's rank. The
 engine passes them to its ``LLM``, a rollout server takes them as ``vllm serve`` flags."""
 from __future__ import annotations
 
-# vLLM's LoRA slots come in these ranks (an adapter of a smaller rank fits a larger slot)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from rlep_megatron.config import VLLM_LORA_RANKS
 
 
 def lora_slot_rank(rank: int) -> int:

@@ -39,10 +39,11 @@ def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = F
 
     ``model_dir`` (default ``model.hf_dir``) and ``load_weights``: a colocated engine loads
     that checkpoint's weights itself; otherwise an engine starts with dummy weights and the
-    first weight update fills them (the servers start so, but with ``lora``). ``capture_routing`` /
-    ``eager_for_routing``: MoE routing capture (colocated only; the servers report
-    ``routing_unavailable``). ``lora``: the run's LoRA section, for an engine that serves the
-    policy as the base plus an adapter (``rollout.lora_sync=adapter``, training only)."""
+    first weight update fills them (the servers start so, but with ``lora``).
+    ``capture_routing`` / ``eager_for_routing``: MoE routing capture (colocated only; the
+    servers report ``routing_unavailable``). ``lora``: the run's LoRA section, for an engine
+    that serves the policy as the base plus an adapter (``rollout.lora_sync=adapter``, training
+    only)."""
     rollout = cfg.rollout
     seed = cfg.trainer.seed if seed is None else seed
     if rollout.placement == "separate":

@@ -274,6 +274,20 @@ def test_lora_train_flops_match_a_count_of_a_peft_models_forward_and_backward(ti
     assert ours[192] < 0.8 * full[192]  # no weight gradients of the base
 
 
+def test_the_lora_recipe_fits_one_gpu_where_full_fine_tuning_does_not():
+    """``examples/rlep_lora.yaml`` (the 7B RLEP recipe with rank-32 adapters and their own
+    ``lora.lr``) on one H100: the LoRA job fits, the same job without LoRA (planned beside it)
+    does not, as docs/lora.md's table says."""
+    code, out, err = rlep("plan", "--nodes", "1", "--gpus-per-node", "1", "--config",
+                          os.path.join(REPO_ROOT, "examples", "rlep_lora.yaml"), "--hf-config",
+                          os.path.join(REPO_ROOT, "examples", "model_shapes",
+                                       "qwen2.5-math-7b.json"))
+    assert code == 0, err[-2000:]
+    assert "verdict (an estimate): FITS (train peak 29.9 GiB" in out, out[-2000:]
+    assert "full fine-tuning on these GPUs: train peak 142.0 GiB" in out
+    assert "(does not fit)" in out
+
+
 def test_plan_refuses_bad_input(tiny_qwen2_dir):
     config = os.path.join(tiny_qwen2_dir, "config.json")
     for args, message in (

@@ -6,10 +6,10 @@ Trainer end (:class:`ServerAdapters`, global rank 0): the update's tensors (PEFT
 :class:`~rlep_megatron.weight_sync.adapters.AdapterStreamer`) become one safetensors file, sent
 in parts over the servers' ``/collective_rpc`` route to :class:`AdapterWorkerExtension`, which
 writes it as a PEFT directory on the server's host (one per server: servers may share a
-host); ``/v1/load_lora_adapter`` then loads it
-under a new name (a new LoRA id per update: neither vLLM's adapter cache nor its prefix cache
-reuses the previous policy's), the generate requests name it, and the previous adapter is
-unloaded and its directory removed. The same path on GPU and CPU servers: the bytes are few.
+host); ``/v1/load_lora_adapter`` then loads it under a new name (a new LoRA id per update:
+neither vLLM's adapter cache nor its prefix cache reuses the previous policy's), the generate
+requests name it, and the previous adapter is unloaded and its directory removed. The same
+path on GPU and CPU servers: the bytes are few.
 
 Server end: ``vllm serve`` with :func:`serve_flags` (vLLM's LoRA with one slot of the run's
 rank, this module's worker extension) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``
@@ -83,10 +83,10 @@ class ServerAdapters:
                     f"rollout server {client.url} does not take LoRA adapters "
                     f"(rollout.lora_sync=adapter): {start} ({err})") from err
             if min(ranks) == 0 or not updating:
-                raise RolloutServerError(
-                    f"rollout server {client.url} runs without "
-                    f"{'--enable-lora' if min(ranks) == 0 else 'VLLM_ALLOW_RUNTIME_LORA_UPDATING=1'}"
-                    f" (rollout.lora_sync=adapter): {start}")
+                lacking = ("--enable-lora" if min(ranks) == 0
+                           else "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+                raise RolloutServerError(f"rollout server {client.url} runs without {lacking} "
+                                         f"(rollout.lora_sync=adapter): {start}")
             if min(ranks) < self.lora.rank:
                 raise RolloutServerError(
                     f"rollout server {client.url} serves LoRA adapters up to rank {min(ranks)}, "
@@ -112,8 +112,8 @@ class ServerAdapters:
         self.updates += 1
         name = f"rlep-{self.job}-{self.updates}"
         payload = save(self.received, metadata={"format": "pt"})
-        targets = {key.split(".")[-3] for key in self.received}
-        config = json.dumps(peft_io.peft_config(self.lora, self.base_model, targets))
+        config = json.dumps(peft_io.peft_config(self.lora, self.base_model,
+                                                peft_io.targets_of(self.received)))
         parts = [base64.b64encode(payload[i:i + PART_BYTES]).decode("ascii")
                  for i in range(0, len(payload), PART_BYTES)] or [""]
         self.received = {}

@@ -164,7 +164,7 @@ class LocalServer:
 def adapter_rank(cfg) -> int:
     """The LoRA rank the run's servers take adapters of (``rollout.lora_sync=adapter``), else
     0 (they take full weights)."""
-    return cfg.lora.rank if cfg.lora.enabled and cfg.rollout.lora_sync == "adapter" else 0
+    return cfg.lora.rank if cfg.syncs_adapters else 0
 
 
 def serve_rollout_rank(cfg, index: int) -> None:
