@@ -6,6 +6,8 @@ runs for each warm-start seed given, one row per seed with the test's two criter
 
 Runs (each the test of that name; the tests themselves run warm-start seed 0):
 - ``dense``: test_training_reward_rises_on_a_learnable_task (the tiny Qwen2, packed);
+- ``lora``: test_training_reward_rises_with_lora (rank-8 adapters on every projection, the
+  engine serving them as a vLLM LoRA);
 - ``one_step_off``: test_training_reward_rises_one_step_off (``trainer.max_staleness=1``,
   ``algo.rollout_correction=truncate``);
 - ``moe``: test_training_reward_rises_on_a_mixture_of_experts (the tiny Qwen3-MoE, 8 experts,
@@ -30,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_overrides(run: str) -> tuple[str, tuple[str, ...]]:
-    from tests.e2e.test_learning import MOE_RUN, PACKED
+    from tests.e2e.test_learning import LORA_RUN, MOE_RUN, PACKED
 
-    return {"dense": ("qwen2", PACKED),
+    return {"dense": ("qwen2", PACKED), "lora": ("qwen2", PACKED + LORA_RUN),
             "one_step_off": ("qwen2", PACKED + ("trainer.max_staleness=1",
                                                 "algo.rollout_correction=truncate")),
             "moe": ("qwen3_moe", MOE_RUN)}[run]
@@ -69,7 +71,8 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", choices=["dense", "one_step_off", "moe"], default="dense")
+    parser.add_argument("--run", choices=["dense", "lora", "one_step_off", "moe"],
+                        default="dense")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="outputs/learning_seeds")
     args = parser.parse_args()

@@ -185,12 +185,14 @@ def test_training_reward_rises_on_a_learnable_task(task, dense_model, tmp_path):
     assert_learns(train(task, dense_model, tmp_path / "run", *PACKED))
 
 
+LORA_RUN = ("lora.rank=8", "lora.alpha=16", "lora.lr=2e-3", "rollout.lora_sync=adapter")
+
+
 def test_training_reward_rises_with_lora(task, dense_model, tmp_path):
     """The same run training rank-8 LoRA adapters on every projection (the base frozen) at 10x
     the lr, the engine sampling through vLLM's LoRA (``rollout.lora_sync=adapter``): it learns
     by the same criteria."""
-    assert_learns(train(task, dense_model, tmp_path / "run", *PACKED, "lora.rank=8",
-                        "lora.alpha=16", "lora.lr=2e-3", "rollout.lora_sync=adapter"))
+    assert_learns(train(task, dense_model, tmp_path / "run", *PACKED, *LORA_RUN))
 
 
 def test_training_reward_rises_one_step_off(task, dense_model, tmp_path):
