@@ -233,6 +233,17 @@ class RolloutConfig:
     only); ``capture``, a hook on the routers of vLLM's V1 runner (on a GPU without CUDA
     graphs: slower decoding; the only way on CPU); ``auto``: ``output`` on a GPU, ``capture`` on
     CPU. docs/models.md."""
+    backend: Literal["vllm", "megatron"] = "vllm"
+    """What generates. ``vllm``: a vLLM engine (``placement`` says where), updated by a weight
+    stream after every step. ``megatron``: the actor's own megatron-core model with
+    megatron-core's static KV cache, in the training processes: no vLLM, no second copy of the
+    weights, no weight sync; slower decoding than vLLM (no paged attention, no CUDA graphs).
+    For small GPU jobs, debugging, or a machine without vLLM (docs/rollout_backends.md). With
+    ``megatron`` the actor's layout is the engine's: pipeline, context, expert and sequence
+    parallelism are refused, and ``tensor_model_parallel_size`` is the actor's."""
+    megatron_batch_size: int = 64
+    """``backend: megatron``: sequences decoded together (of one prompt length); the KV cache
+    of a batch holds ``batch x (prompt + max_response_tokens)`` positions per layer."""
     gather_timeout_minutes: float = 180.0
     """How long a replica that finished its share may wait for the slowest one where the
     replicas exchange responses (a gloo group of its own, on the host): above the longest
@@ -242,6 +253,11 @@ class RolloutConfig:
         if self.engine_routing not in ("auto", "output", "capture"):
             raise ValueError("rollout.engine_routing must be auto, output or capture, got "
                              f"{self.engine_routing!r}")
+        if self.backend not in ("vllm", "megatron"):
+            raise ValueError(f"rollout.backend must be vllm or megatron, got {self.backend!r}")
+        if self.megatron_batch_size < 1:
+            raise ValueError("rollout.megatron_batch_size must be >= 1, got "
+                             f"{self.megatron_batch_size}")
         if self.gather_timeout_minutes <= 0:
             raise ValueError("rollout.gather_timeout_minutes must be > 0, got "
                              f"{self.gather_timeout_minutes}")
@@ -926,6 +942,9 @@ class RunConfig:
     def __post_init__(self):
         staleness = self.trainer.max_staleness
         self._check_lora()
+        problem = _megatron_backend_problem(self)
+        if problem:
+            raise ValueError(problem)
         if staleness and self.algo.dynamic_sampling:
             raise ValueError(f"trainer.max_staleness={staleness} with algo.dynamic_sampling: "
                              "a step generated ahead cannot know how many rounds it needs; "
@@ -943,6 +962,37 @@ class RunConfig:
                              "rollout: the engine's experts are captured per blocking "
                              "generate call; use algo.routing_replay=actor (or off), or "
                              "trainer.max_staleness=0")
+
+
+def _megatron_backend_problem(cfg: "RunConfig") -> Optional[str]:
+    """What ``rollout.backend=megatron`` cannot run with, or None."""
+    rollout, parallel = cfg.rollout, cfg.parallel
+    if rollout.backend != "megatron":
+        return None
+    refused = [f"parallel.{key}={getattr(parallel, key)}" for key in
+               ("pipeline_model_parallel_size", "context_parallel_size",
+                "expert_model_parallel_size") if getattr(parallel, key) != 1]
+    if parallel.virtual_pipeline_model_parallel_size:
+        refused.append("parallel.virtual_pipeline_model_parallel_size="
+                       f"{parallel.virtual_pipeline_model_parallel_size}")
+    if parallel.sequence_parallel:
+        refused.append("parallel.sequence_parallel=true")
+    if rollout.placement != "colocated":
+        refused.append(f"rollout.placement={rollout.placement}")
+    if rollout.tensor_model_parallel_size not in (1, parallel.tensor_model_parallel_size):
+        refused.append("rollout.tensor_model_parallel_size="
+                       f"{rollout.tensor_model_parallel_size} (the actor's "
+                       f"{parallel.tensor_model_parallel_size} is the engine's)")
+    if cfg.algo.routing_replay == "rollout":
+        refused.append("algo.routing_replay=rollout (no engine routing is recorded; use actor)")
+    if rollout.lora_sync == "adapter" and cfg.lora.enabled:
+        refused.append("rollout.lora_sync=adapter (the actor's adapters generate as they are; "
+                       "use merged)")
+    if not refused:
+        return None
+    return ("rollout.backend=megatron decodes with the actor's model on its tensor- and "
+            "data-parallel layout only; refused here: " + ", ".join(refused)
+            + ". Use rollout.backend=vllm for these layouts.")
 
 
 def _lora_problem(cfg: "RunConfig") -> Optional[str]:

@@ -77,7 +77,8 @@ def build_engine(cfg: RunConfig, learner):
     return build(cfg, dtype=str(learner.info.params_dtype).split(".")[-1],
                  capture_routing=learner.moe and cfg.trainer.max_staleness == 0,
                  eager_for_routing=cfg.algo.routing_replay == "rollout",
-                 lora=cfg.lora if cfg.syncs_adapters else None)
+                 lora=cfg.lora if cfg.syncs_adapters else None,
+                 actor=(learner.chunks, learner.info))
 
 
 def build_scheduler(cfg: RunConfig, engine, ends_at_checkpoint):

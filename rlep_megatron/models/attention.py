@@ -33,7 +33,7 @@ def _local_attention_class():
             super().__init__(cp_free, *args, **kwargs)
             self.config = config
 
-        def _fused(self, query, key, value):
+        def _fused(self, query, key, value, causal: bool = True):
             """``[s, b, heads, dim]`` (keys/values with their query groups) -> ``[s, b, h]``.
             With grouped keys/values (GQA), torch's CPU kernel takes the groups as they are
             (``enable_gqa``: the same outputs; in bf16 the keys' and values' gradients can
@@ -47,16 +47,20 @@ def _local_attention_class():
             if repeat > 1 and not grouped:
                 k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
             out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=grouped)
+                q, k, v, is_causal=causal, scale=self.softmax_scale, enable_gqa=grouped)
             return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None):
-            fused = (attention_mask is None and attention_bias is None
+            mask_type = attn_mask_type or self.attn_mask_type
+            # no_mask: megatron's static inference decoding, a new token's query over the
+            # whole KV cache (the rows of that batch share their length)
+            plain = (attention_mask is None and attention_bias is None
                      and self.softmax_offset is None and self.attention_dropout.p == 0.0
                      and not self.config.apply_query_key_layer_scaling
-                     and self.config.window_size is None
-                     and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal)
+                     and self.config.window_size is None)
+            fused = plain and mask_type == AttnMaskType.causal
+            decoding = plain and mask_type == AttnMaskType.no_mask
             if self.config.context_parallel_size > 1:
                 if not fused:
                     raise NotImplementedError("context parallelism with the local layer spec "
@@ -66,8 +70,8 @@ def _local_attention_class():
 
                 return local_cp_attention(self, query, key, value, packed_seq_params)
             if packed_seq_params is None:
-                if fused:
-                    return self._fused(query, key, value)
+                if fused or decoding:
+                    return self._fused(query, key, value, causal=fused)
                 return super().forward(query, key, value, attention_mask,
                                        attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias)

@@ -1,11 +1,14 @@
 """The rollout-engine contract: what the training loop, the scheduler and the learner call on a
-rollout engine and on its request driver. Two backends implement it:
+rollout engine and on its request driver. Three backends implement it:
 
 - :class:`~rlep_megatron.rollout.colocated.engine.RolloutEngine`, vLLM in this process on every rank
   (colocated placement), driven by
   :class:`~rlep_megatron.rollout.colocated.requests.EngineRequests`;
 - :class:`~rlep_megatron.rollout.servers.engine.ServerEngine`, vLLM servers of the job's own
-  (separate placement), driven by :class:`~rlep_megatron.rollout.servers.requests.ServerRequests`.
+  (separate placement), driven by :class:`~rlep_megatron.rollout.servers.requests.ServerRequests`;
+- :class:`~rlep_megatron.rollout.megatron.engine.MegatronEngine`, the actor's own megatron-core
+  model (``rollout.backend: megatron``), driven by
+  :class:`~rlep_megatron.rollout.megatron.requests.MegatronRequests`.
 
 Callers use these members only, never a probe (``hasattr``) for one backend's extras: where a
 backend has nothing to do (the servers keep their devices, so ``released`` is a no-op there;
@@ -67,6 +70,11 @@ class InferenceEngine(Protocol):
 
     capturing_routing: bool
     """Whether the engine reports each fresh token's experts (MoE routing capture)."""
+
+    receives_weights: bool
+    """True: the engine holds a copy of the weights that each update streams into it (vLLM);
+    false: it generates with the actor's own model (``rollout.backend=megatron``), so an update
+    streams nothing and only labels the version."""
 
     overlaps_training: bool
     """True: the engine has devices of its own and generates while the actor trains (the

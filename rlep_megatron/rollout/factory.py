@@ -34,7 +34,7 @@ def dtype_name(cfg) -> str:
 def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = False,
                  seed: Optional[int] = None, dtype: Optional[str] = None,
                  capture_routing: bool = False, eager_for_routing: bool = False,
-                 lora=None):
+                 lora=None, actor=None):
     """The rollout engine of ``cfg.rollout.placement`` (collective).
 
     ``model_dir`` (default ``model.hf_dir``) and ``load_weights``: a colocated engine loads
@@ -43,8 +43,18 @@ def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = F
     ``capture_routing`` / ``eager_for_routing``: MoE routing capture (colocated only; the
     servers report ``routing_unavailable``). ``lora``: the run's LoRA section, for an engine
     that serves the policy as the base plus an adapter (``rollout.lora_sync=adapter``, training
-    only)."""
+    only). ``actor``: ``(chunks, info)`` of this rank's megatron-core model, which generates
+    with ``rollout.backend=megatron`` (required there, ignored otherwise)."""
     rollout = cfg.rollout
+    if rollout.backend == "megatron":
+        from rlep_megatron.rollout.megatron.engine import MegatronEngine
+
+        if actor is None:
+            raise ValueError("rollout.backend=megatron generates with a megatron-core model: "
+                             "build_engine needs actor=(chunks, info)")
+        return MegatronEngine(actor[0], actor[1], model_dir or cfg.model.hf_dir, rollout,
+                              max_model_len=max_model_len(cfg),
+                              batch_size=rollout.megatron_batch_size)
     seed = cfg.trainer.seed if seed is None else seed
     if rollout.placement == "separate":
         from rlep_megatron.rollout.servers.engine import ServerEngine

@@ -59,6 +59,10 @@ def open_engine(cfg, checkpoint: str, seed: int):
 
     kind = checkpoint_kind(checkpoint)
     distributed.init_process_group()
+    if cfg.rollout.backend == "megatron":  # the checkpoint's own model generates
+        from rlep_megatron.rollout.megatron.engine import open_megatron_engine
+
+        return open_megatron_engine(cfg, checkpoint, kind, seed)
     if kind == "training":
         return _engine_from_training_checkpoint(cfg, checkpoint, seed)
     if cfg.rollout.placement != "separate":
@@ -125,7 +129,7 @@ def engine_and_scorer(cfg, checkpoint: str, seed: int, process_ending: bool = Fa
         distributed.destroy()
 
 
-def _checkpoint_lora(checkpoint: str):
+def checkpoint_lora(checkpoint: str):
     """The LoRA section of the run that wrote a training checkpoint, or None (no LoRA, or a
     converted checkpoint without a run config)."""
     from rlep_megatron.config import CONFIG_FILE_NAME, load_config
@@ -150,7 +154,7 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, seed: int):
                          "the run started from: config and tokenizer)")
     hf = load_hf_config(cfg.model.hf_dir)
     distributed.init_model_parallel(cfg.parallel, seed=seed, **layout_limits(hf))
-    lora = _checkpoint_lora(checkpoint)
+    lora = checkpoint_lora(checkpoint)
     chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype),
                                transformer_engine="off" if lora else
                                cfg.model.transformer_engine)

@@ -26,6 +26,9 @@ class WeightTarget(Protocol):
     """What receives a weight update: every rollout engine (the engine contract,
     :mod:`rlep_megatron.rollout.contract`, includes it)."""
 
+    receives_weights: bool
+    """False where the engine generates with the actor's own weights (nothing is streamed)."""
+
     def start_weight_update(self) -> None: ...
 
     def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -74,5 +77,9 @@ def sync_weights(target: WeightTarget, streamer, version: Optional[int] = None
     """Stream the actor's current weights (``streamer``, a
     :class:`~rlep_megatron.weight_sync.WeightStreamer`) into the rollout engine, whose weight
     version becomes ``version``. Collective over the trainer's ranks. Checks that every planned
-    tensor arrived."""
+    tensor arrived. An engine that generates with the actor's own weights
+    (``receives_weights`` false: ``rollout.backend=megatron``) gets an update of no tensors,
+    which only labels its version."""
+    if not target.receives_weights:
+        return deliver(target, (), version, expected=0)
     return deliver(target, streamer.iter_tensors(), version, expected=len(streamer.names))

@@ -203,6 +203,7 @@ class RolloutEngine(MemoryHandOff):
 
     capturing_routing = False
     overlaps_training = False  # the engine hands its devices to the update
+    receives_weights = True
     routing_source: Optional[str] = None
     """``output`` (vLLM's own routed experts) or ``capture`` (the V1 hook), when routing is
     asked for (:func:`~rlep_megatron.rollout.routing_capture.engine_routing_settings`)."""

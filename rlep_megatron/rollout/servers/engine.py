@@ -113,6 +113,7 @@ class ServerEngine:
                            "per-token routing to replay here")
     capturing_routing = False
     overlaps_training = True  # the servers keep their devices and generate meanwhile
+    receives_weights = True
     routing_source = None
     sleep_enabled = False
     extra_sampling: dict = {}  # more vLLM sampling parameters of every request (tests)
