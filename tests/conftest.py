@@ -149,23 +149,33 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def memorised(tmp_path_factory):
     """A task the tiny model can memorise (6 training questions, operands <= 2) and the tiny
-    Qwen2 warm-started on it for 120 steps, built once per session: ``copy(task_dir,
-    model_dir)`` puts a private copy where a test wants it and returns ``(task, model)``."""
-    from rlep_megatron.tiny_task import make_tiny_task, warm_start
+    Qwen2 warm-started on it for 120 steps, built once per test run (whatever the number of
+    pytest-xdist workers: the first to ask builds it in the run's shared temporary directory,
+    the other reads it; a per-worker copy built it twice, up to 99 s of set-up each on a busy
+    2-core machine): ``copy(task_dir, model_dir)`` puts a private copy where a test wants it
+    and returns ``(task, model)``."""
+    from tests.torchrun import once_per_run
 
-    root = tmp_path_factory.mktemp("memorised")
-    task = make_tiny_task(str(root / "task"), seed=0, num_train=6, num_val=2, max_operand=2)
-    model = make_tiny_model(str(root / "model"), seed=0)
-    result = warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6,
-                        eval_parquet=task["train"], show_progress=False)
-    # what the tests need: the model answers the memorised questions (greedy); not a loss
-    # value, whose digits differ from one CPU to another
-    assert result["accuracy"] >= 5 / 6, result
+    def make(root):
+        from rlep_megatron.tiny_task import make_tiny_task, warm_start
+
+        task = make_tiny_task(str(root / "task"), seed=0, num_train=6, num_val=2,
+                              max_operand=2)
+        model = make_tiny_model(str(root / "model"), seed=0)
+        result = warm_start(model, task["solutions"], steps=120, lr=3e-3, batch_size=6,
+                            eval_parquet=task["train"], show_progress=False)
+        # what the tests need: the model answers the memorised questions (greedy); not a loss
+        # value, whose digits differ from one CPU to another
+        assert result["accuracy"] >= 5 / 6, result
+        return {"root": str(root), "task": task, "model": model}
+
+    built = once_per_run(tmp_path_factory, "memorised", make)
+    root, task, model = built["root"], built["task"], built["model"]
 
     def copy(task_dir, model_dir):
-        shutil.copytree(root / "task", task_dir)
+        source = os.path.join(root, "task")
+        shutil.copytree(source, task_dir)
         shutil.copytree(model, model_dir)
-        source = str(root / "task")
         return ({key: (str(task_dir) + value[len(source):]
                        if isinstance(value, str) and value.startswith(source) else value)
                  for key, value in task.items()}, str(model_dir))

@@ -13,6 +13,7 @@ from rlep_megatron.data.schema import read_prompt_file, rows_to_table
 from rlep_megatron.replay.pool import ExperiencePool
 from rlep_megatron.reward import compute_score
 from tests.e2e.helpers import recipe, run_rlep
+from tests.torchrun import rlep_in_process
 from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -96,9 +97,12 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
     assert stats["training_questions"] == 6 and stats["questions"] == len(rows)
     assert stats["checkpoint"] == os.path.relpath(model, tmp_path)  # from the pool's directory
     assert not os.path.exists(shard_dir)
-    # a pool file that already exists is never overwritten
-    again = run_rlep(collect_args(task, model, out, shards=6), check=False)
-    assert again.returncode == 2 and "already exists" in again.stderr
+    # a pool file that already exists is never overwritten: refused before any model is built,
+    # so the command runs in this process (a process of its own would only add its start-up;
+    # tests/e2e/test_bad_input.py runs the program itself for its exit code)
+    again = rlep_in_process(collect_args(task, model, out, shards=6))
+    assert again.returncode == 2 and "already exists" in again.stderr, again.stderr[-3000:]
+    assert not os.path.exists(shard_dir)
 
 
 def test_eval_reports_every_metric(easy, tmp_path):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.e2e.helpers import read_jsonl, recipe, run_rlep, small_task, train_overrides
+from tests.torchrun import rlep_in_process
 from tests import requires
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -58,9 +59,13 @@ def test_a_failing_rank_ends_the_job(tiny_qwen2_dir, task, tmp_path, phase, rank
                   "trainer.validation_interval_steps=0", *layout], nproc=2)
 
 
-def test_a_malformed_fault_setting_is_refused(tiny_qwen2_dir, task, tmp_path):
-    proc = run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
-                     *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"), steps=1)],
-                    check=False, env={"RLEP_FAULT_INJECT": "training:0"})
-    assert proc.returncode == 2
+def test_a_malformed_fault_setting_is_refused(tiny_qwen2_dir, task, tmp_path, monkeypatch):
+    """Refused before any model is built, so the command runs in this process (a process of
+    its own would only add its start-up), the setting in this process's environment."""
+    monkeypatch.setenv("RLEP_FAULT_INJECT", "training:0")
+    proc = rlep_in_process(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+                            *train_overrides(tiny_qwen2_dir, task, str(tmp_path / "run"),
+                                             steps=1)])
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     assert "RLEP_FAULT_INJECT='training:0'" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

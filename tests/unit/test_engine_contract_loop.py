@@ -26,6 +26,7 @@ class ContractEngine:
     eos_token_id = 0
     routing_unavailable = "a contract-only engine"
     capturing_routing = False
+    receives_weights = True
 
     def __init__(self, overlaps_training: bool):
         self.overlaps_training = overlaps_training

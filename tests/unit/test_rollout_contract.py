@@ -1,4 +1,4 @@
-"""The rollout-engine contract (rlep_megatron/rollout/contract.py): both backends implement every
+"""The rollout-engine contract (rlep_megatron/rollout/contract.py): every backend implements every
 member with the contract's parameters, and no caller probes an engine or a request driver for
 members of one backend."""
 import ast
@@ -30,15 +30,17 @@ def parameters(function) -> list[str]:
 def backends():
     from rlep_megatron.rollout.colocated.engine import RolloutEngine
     from rlep_megatron.rollout.colocated.requests import EngineRequests
+    from rlep_megatron.rollout.megatron.engine import MegatronEngine
+    from rlep_megatron.rollout.megatron.requests import MegatronRequests
     from rlep_megatron.rollout.servers.engine import ServerEngine
     from rlep_megatron.rollout.servers.requests import ServerRequests
 
-    return {contract.InferenceEngine: [RolloutEngine, ServerEngine],
-            contract.RequestDriver: [EngineRequests, ServerRequests]}
+    return {contract.InferenceEngine: [RolloutEngine, ServerEngine, MegatronEngine],
+            contract.RequestDriver: [EngineRequests, ServerRequests, MegatronRequests]}
 
 
 @pytest.mark.parametrize("protocol", ["InferenceEngine", "RequestDriver"])
-def test_both_backends_implement_every_member(protocol):
+def test_every_backend_implements_every_member(protocol):
     protocol = getattr(contract, protocol)
     for backend in backends()[protocol]:
         init = inspect.getsource(backend.__init__)
