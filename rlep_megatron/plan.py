@@ -329,6 +329,18 @@ def vllm_bytes(hf_config: dict, cfg: RunConfig, total_params: int, gpu_bytes: fl
     from rlep_megatron.models import llama_family
 
     dims = llama_family.dims_from_config(hf_config)
+    sequence = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    if cfg.rollout.backend == "megatron":
+        # the actor's own weights generate; a batch's KV cache (its kv heads split over the
+        # actor's TP ranks) exists while that batch decodes, freed before training
+        kv_heads = max(1.0, dims.num_query_groups / cfg.parallel.tensor_model_parallel_size)
+        per_token = (2 * int(hf_config["num_hidden_layers"]) * kv_heads * dims.head_dim
+                     * dtype_bytes)
+        batch = cfg.rollout.megatron_batch_size
+        kv_cache = batch * sequence * per_token
+        return {"budget": kv_cache, "weights": 0.0, "kv_cache": kv_cache,
+                "kv_bytes_per_token": per_token, "kv_tokens": batch * sequence,
+                "full_length_sequences": float(batch), "engine": "megatron"}
     rtp = cfg.rollout.tensor_model_parallel_size
     # a server started by a rollout rank owns its GPU and takes its own share of it
     servers_own_gpus = cfg.rollout.placement == "separate" and cfg.rollout.num_ranks > 0
@@ -338,7 +350,6 @@ def vllm_bytes(hf_config: dict, cfg: RunConfig, total_params: int, gpu_bytes: fl
     kv_heads = max(1.0, dims.num_query_groups / rtp)
     per_token = 2 * int(hf_config["num_hidden_layers"]) * kv_heads * dims.head_dim * dtype_bytes
     kv_cache = budget - weights - VLLM_WORKSPACE_GIB * GIB
-    sequence = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
     return {"budget": budget, "weights": weights, "kv_cache": kv_cache,
             "kv_bytes_per_token": per_token, "kv_tokens": max(0.0, kv_cache) / per_token,
             "full_length_sequences": max(0.0, kv_cache) / per_token / sequence}
@@ -499,7 +510,7 @@ def _stage_memory(cfg: RunConfig, hf_config: dict, stages, gpus: int, dtype_byte
         # LoRA's reference: the initial adapters, and the current ones aside during its pass
         ref = reference * (2 * counted.trainable if cfg.lora.enabled else numel) * dtype_bytes
         sleeping = (0.0 if cfg.rollout.enable_sleep_mode or separate
-                    else rollout_budget)
+                    or cfg.rollout.backend == "megatron" else rollout_budget)
         train_peak = (params + grads + optim + chosen + logits + ref + sleeping
                       + OVERHEAD_GIB * GIB)
         resident = params + ref + (0.0 if cfg.optim.offload_during_rollout else grads + optim)
@@ -698,7 +709,9 @@ def _advice(cfg: RunConfig, fits_train: bool, fits_rollout: bool, rollout: dict)
             if not cfg.optim.offload_during_rollout and cfg.rollout.placement != "separate":
                 out.append("optim.offload_during_rollout=true (gradients and Adam state leave "
                            "the GPU while vLLM runs)")
-            out.append(f"{memory_key} down (a smaller KV cache)")
+            out.append("rollout.megatron_batch_size down (a smaller KV cache)"
+                       if cfg.rollout.backend == "megatron"
+                       else f"{memory_key} down (a smaller KV cache)")
     return out
 
 
@@ -732,10 +745,15 @@ def format_plan(result: dict) -> str:
         lines[0:1] = [lines[0], f"rollout.placement=separate: {result['train_gpus']} trainer "
                       f"GPU(s) (the table), {result['rollout_gpus']} rollout GPU(s) "
                       f"(vLLM alone, peak {result['peak_rollout_gib']:.1f} GiB each)"]
-    lines += ["", f"vLLM per GPU: budget {gib(r['budget'])} = weights {gib(r['weights'])} + "
-              f"workspace {result['assumptions']['vllm_workspace_gib']:g} + KV cache "
-              f"{gib(r['kv_cache'])} ({r['kv_tokens']:.0f} tokens, "
-              f"{r['full_length_sequences']:.1f} full-length sequences)"]
+    if r.get("engine") == "megatron":
+        lines += ["", f"rollout.backend=megatron per GPU: the actor's weights, and the KV cache "
+                  f"of one batch of {r['full_length_sequences']:.0f} full-length sequences "
+                  f"while it decodes, {gib(r['kv_cache'])} GiB ({r['kv_tokens']:.0f} tokens)"]
+    else:
+        lines += ["", f"vLLM per GPU: budget {gib(r['budget'])} = weights {gib(r['weights'])} + "
+                  f"workspace {result['assumptions']['vllm_workspace_gib']:g} + KV cache "
+                  f"{gib(r['kv_cache'])} ({r['kv_tokens']:.0f} tokens, "
+                  f"{r['full_length_sequences']:.1f} full-length sequences)"]
     f = result["flops_per_step"]
     lines.append(f"FLOPs per RL step (full-length sequences): {f['total']:.3g} (rollout "
                  f"{f['rollout']:.3g}, log-probs {f['logprobs']:.3g}, train {f['train']:.3g});"

@@ -69,6 +69,21 @@ def _throughput(batch: StepBatch, timings: dict[str, float]) -> dict[str, float]
     return out
 
 
+def _device_memory() -> dict[str, float]:
+    """On a GPU: ``memory/max_allocated_gib``, the most memory torch's allocator held at once
+    on this rank since the previous step (what ``rlep plan``'s peaks estimate; a vLLM engine's
+    own pool is not in it); the count starts again for the next step. Nothing on the CPU."""
+    from rlep_megatron import platform
+
+    if not platform.cuda_available():
+        return {}
+    import torch
+
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    torch.cuda.reset_peak_memory_stats()
+    return {"memory/max_allocated_gib": peak}
+
+
 def build_engine(cfg: RunConfig, learner):
     """The rollout engine of the run (:func:`rlep_megatron.rollout.factory.build_engine`),
     started with dummy weights (the first weight sync fills them)."""
@@ -188,6 +203,7 @@ class Trainer:
         metrics.update(timer.values)
         metrics["timing/step_s"] = time.perf_counter() - step_start
         metrics.update(_throughput(batch, timer.values))
+        metrics.update(_device_memory())
         return metrics
 
     def step_metrics(self, batch: StepBatch, train: dict, old: dict) -> dict[str, float]:

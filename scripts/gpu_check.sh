@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command on a GPU node (one GPU is enough): the gpu-marked tests, the mixture-of-experts
-# experts (torch's grouped GEMM against megatron's SequentialMLP: parity and speed) and the
-# actor throughput bench with its planner-vs-measured memory check; one table at the end.
+# experts (torch's grouped GEMM against megatron's SequentialMLP: parity and speed), the
+# actor throughput bench with its planner-vs-measured memory check, and whole RLEP steps with
+# rollout.backend=megatron (bench/gpu_step.py: a 0.5B-shaped Qwen2 and the tiny MoE in bf16,
+# replay, reward, offload, a checkpoint and its resume); one table at the end.
 #
 #   bash scripts/gpu_check.sh            # the GPU set-up's venv (scripts/setup_gpu.sh)
 #   bash scripts/gpu_check.sh --bare     # a bare machine: only torch >= 2.11 (and numpy,
@@ -17,9 +19,10 @@
 #       --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
 #
 # (2.6 MB; add any other package the preflight reports missing the same way). The engine's and
-# TransformerEngine's tests then skip, each with its reason; every local-spec test runs. Each
-# step has a time limit (the tests 150 s, the MoE bench 45 s, each actor bench 45 s: 285 s,
-# printed at the start), so that the whole check ends within 5 minutes after the preflight. The
+# TransformerEngine's tests then skip, each with its reason; every local-spec test runs, and so
+# do the whole steps (they need no vLLM). Each step has a time limit (the tests 150 s, the MoE
+# bench 45 s, each actor bench 45 s, the whole steps 190 s: 475 s, printed at the start), so
+# that the whole check ends within 8 minutes after the preflight. The
 # table, one row per test and per bench, is printed whenever the script ends, with what
 # finished (docs/install.md: its format).
 #
@@ -34,7 +37,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --bare) BARE=1 ;;
         --wheels) WHEELS="$2"; shift ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (--bare, --wheels DIR)" >&2; exit 2 ;;
     esac
     shift
@@ -113,9 +116,9 @@ fi
 
 # --- on the GPU ---------------------------------------------------------------------------
 DEVICE=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())')
-LIMITS=(150 45 45 45)  # the tests, the MoE bench, the two actor benches
+LIMITS=(150 45 45 45 190)  # the tests, the MoE bench, the two actor benches, the whole steps
 echo "gpu_check.sh: $DEVICE, torch $("$PYTHON" -c 'import torch; print(torch.__version__)');" \
-     "at most $(( LIMITS[0] + LIMITS[1] + LIMITS[2] + LIMITS[3] )) s from here"
+     "at most $(( LIMITS[0] + LIMITS[1] + LIMITS[2] + LIMITS[3] + LIMITS[4] )) s from here"
 status=0
 LOG="$(mktemp)"
 summary() {
@@ -170,5 +173,20 @@ for args in "" "--micro-batch 1 --seq-len 8192"; do
     else
         row "actor bench ${args:-4 x 2048} (${elapsed}s)" "FAILED" "see the log"; status=1
     fi
+done
+# whole RLEP steps, rollout.backend=megatron: one row per shape ("gpu_step row: shape |
+# verdict | details"); a shape that did not report is a failed row
+if timed "${LIMITS[4]}" "$PYTHON" bench/gpu_step.py --timeout-s 130; then :; else status=1; fi
+for shape in qwen2-0.5b tiny-moe; do
+    line=$(echo "$out" | grep "^gpu_step row: $shape |" | tail -1)
+    if [ -z "$line" ]; then
+        row "whole RLEP step, $shape, megatron backend" "FAILED" "no report (over the limit or crashed; see the log)"
+        status=1
+        continue
+    fi
+    verdict=$(echo "$line" | awk -F' [|] ' '{print $2}')
+    details=$(echo "$line" | awk -F' [|] ' '{print $3}')
+    case "$verdict" in OK) ;; *) status=1 ;; esac
+    row "whole RLEP step, $shape, megatron backend (${elapsed}s both)" "$verdict" "$details"
 done
 exit "$status"
