@@ -12,7 +12,7 @@ import torch
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
 from rlep_megatron.tiny_model import make_tiny_model
 from tests import requires
-from tests.torchrun import REPO_ROOT, _env
+from tests.torchrun import REPO_ROOT, _env, once_per_run
 
 pytestmark = pytest.mark.vllm
 
@@ -21,14 +21,18 @@ requires("vllm")
 
 @pytest.fixture(scope="module")
 def run(tiny_qwen2_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("carry_over")
-    other = make_tiny_model(str(root / "tiny-qwen2-seed1"), seed=1, arch="qwen2")
-    out = root / "out.json"
-    proc = subprocess.run([sys.executable, "tests/vllm/carry_over_program.py", tiny_qwen2_dir,
-                           other, str(out)], cwd=REPO_ROOT, env=_env(None), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return {"0": tiny_qwen2_dir, "1": other, "2": tiny_qwen2_dir}, json.load(open(out))
+    """The program's report, made once per test run (its tests may land on two pytest-xdist
+    workers; the other worker's tiny Qwen2 is the same files, seed 0)."""
+    def make(root):
+        other = make_tiny_model(str(root / "tiny-qwen2-seed1"), seed=1, arch="qwen2")
+        out = root / "out.json"
+        proc = subprocess.run([sys.executable, "tests/vllm/carry_over_program.py",
+                               tiny_qwen2_dir, other, str(out)], cwd=REPO_ROOT, env=_env(None),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        return {"other": other, "report": json.load(open(out))}
+    made = once_per_run(tmp_path_factory, "carry_over", make)
+    return {"0": tiny_qwen2_dir, "1": made["other"], "2": tiny_qwen2_dir}, made["report"]
 
 
 def teacher_forced(model_dir: str, response: dict) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
-from tests.torchrun import REPO_ROOT
+from tests.torchrun import REPO_ROOT, once_per_run
 from tests import requires
 
 pytestmark = pytest.mark.vllm
@@ -23,16 +23,20 @@ ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama"]
 @pytest.fixture(scope="module")
 def samples_files(request, tmp_path_factory) -> dict[str, str]:
     """Every architecture's samples, from one run of the program (one vLLM import, an engine
-    per model, built one after another)."""
-    root = tmp_path_factory.mktemp("vllm_samples")
-    outs = {arch: str(root / f"{arch}.jsonl") for arch in ARCHS}
-    pairs = [item for arch in ARCHS
-             for item in (request.getfixturevalue(f"tiny_{arch}_dir"), outs[arch])]
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "tests/vllm/vllm_generate.py", *pairs],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return outs
+    per model, built one after another), made once per test run: its tests may land on two
+    pytest-xdist workers (worksteal), and the other worker's tiny checkpoints are the same
+    files (seed 0), which each test reads for the transformers side."""
+    def make(root):
+        outs = {arch: str(root / f"{arch}.jsonl") for arch in ARCHS}
+        pairs = [item for arch in ARCHS
+                 for item in (request.getfixturevalue(f"tiny_{arch}_dir"), outs[arch])]
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT, CUDA_VISIBLE_DEVICES="")
+        proc = subprocess.run([sys.executable, "tests/vllm/vllm_generate.py", *pairs],
+                              cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        return outs
+    return once_per_run(tmp_path_factory, "vllm_samples", make)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
