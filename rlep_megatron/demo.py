@@ -57,6 +57,13 @@ logger = logging.getLogger(__name__)
 # figures over warm-start seeds and thread counts (docs/demo.md: what the demo shows).
 TASK = {"kind": "column", "num_train": 3000, "num_rl_train": 128, "num_val": 64,
         "max_operand": 99, "num_slips_easy": 1, "num_slips_hard": 2, "stepwise_fraction": 0.25}
+# The hard miniature (bench/replay_policies.py --hard, docs/ALGORITHM.md "where replay
+# matters"): the same questions, a warm-start corpus with four slipped solutions per easy question
+# and six per hard one and only 10% solved column by column, so that the warm start's sampled
+# answers are right about a fifth of the time or less. Its pool comes from a baseline run twice as
+# long as the arms (HARD_POOL_SOURCE), so that it holds answers the fresh policy seldom finds.
+HARD_TASK = {**TASK, "num_slips_easy": 4, "num_slips_hard": 6, "stepwise_fraction": 0.1}
+HARD_POOL_SOURCE = {"seed": 1000, "steps_factor": 2}
 # 2500 supervised steps at a peak lr of 1e-3 (why not 3e-3: tiny_task.warm_start's docstring).
 # 1500 steps at 1e-3 left the model short of the corpus' mix (validation mean@8 29% at step
 # 0, and RL then lowered it).
@@ -445,17 +452,18 @@ def plot_comparison(summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-def prepare_model(out_dir: str, warm_start_seed: int = 0) -> dict:
+def prepare_model(out_dir: str, warm_start_seed: int = 0, task: Optional[dict] = None) -> dict:
     """The tiny task and the warm-started model (built once; ``warm_start.json`` records it).
     ``warm_start_seed`` seeds the model's initial weights and the warm start's batch order (the
-    task itself is always the same)."""
+    task itself is always the same). ``task``: :data:`TASK` (default) or :data:`HARD_TASK`."""
+    task = TASK if task is None else task
     from rlep_megatron.tiny_model import make_tiny_model
     from rlep_megatron.tiny_task import WARM_START_RECORD, make_tiny_task, warm_start
 
     task_dir, model_dir = os.path.join(out_dir, "task"), os.path.join(out_dir, "model")
-    _check_settings(out_dir, warm_start_seed)
+    _check_settings(out_dir, warm_start_seed, task)
     if not os.path.isfile(os.path.join(task_dir, "val.parquet")):
-        make_tiny_task(task_dir, seed=0, **TASK)
+        make_tiny_task(task_dir, seed=0, **task)
     start_info = os.path.join(model_dir, WARM_START_RECORD)
     if not os.path.isfile(start_info):
         print(f"warm-starting the tiny model: {WARM_START['steps']} supervised steps ...",
@@ -464,7 +472,7 @@ def prepare_model(out_dir: str, warm_start_seed: int = 0) -> dict:
         warm_start(model_dir, os.path.join(task_dir, "train_solutions.jsonl"),
                    WARM_START["steps"], lr=WARM_START["lr"], batch_size=WARM_START["batch_size"],
                    seed=warm_start_seed, eval_parquet=os.path.join(task_dir, "val.parquet"),
-                   extra_record={"task": TASK})
+                   extra_record={"task": task})
     with open(start_info) as f:
         return json.load(f)
 
@@ -472,10 +480,10 @@ def prepare_model(out_dir: str, warm_start_seed: int = 0) -> dict:
 SETTINGS_FILE = "demo_settings.json"
 
 
-def _check_settings(out_dir: str, warm_start_seed: int) -> None:
+def _check_settings(out_dir: str, warm_start_seed: int, task: Optional[dict] = None) -> None:
     """A demo directory is continued only with the task and warm start it was built with: a
     directory from another version (or other settings) is refused, never overwritten."""
-    settings = json.dumps({"task": TASK, "warm_start": WARM_START,
+    settings = json.dumps({"task": TASK if task is None else task, "warm_start": WARM_START,
                            "warm_start_seed": warm_start_seed}, sort_keys=True)
     path = os.path.join(out_dir, SETTINGS_FILE)
     if os.path.isfile(path):
@@ -522,7 +530,10 @@ def _pool_stats(pool: str, source: str, out_dir: str, steps: int, seed: int) -> 
 def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
              seeds: Optional[int] = None, overrides: Optional[list[str]] = None,
              warm_start_seed: int = 0, prepare_only: bool = False,
-             arms: Optional[list[str]] = None, jobs: Optional[int] = None) -> dict:
+             arms: Optional[list[str]] = None, jobs: Optional[int] = None,
+             hard: bool = False) -> dict:
+    """The demo (``rlep demo``). ``hard``: the hard miniature (:data:`HARD_TASK`, its pool from
+    a baseline run of :data:`HARD_POOL_SOURCE`) in place of the tiny default."""
     budget = dict(LONG if long else QUICK)
     jobs = default_jobs(nproc) if jobs is None else jobs
     if jobs < 1:
@@ -545,7 +556,9 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     summary: dict = {"budget": budget, "nproc": nproc, "warm_start_seed": warm_start_seed,
                      "jobs": jobs, "torch_threads": threads or _torch_threads(),
                      "arm_names": arms}
-    summary["warm_start"] = prepare_model(out_dir, warm_start_seed)
+    summary["hard"] = hard
+    summary["warm_start"] = prepare_model(out_dir, warm_start_seed,
+                                          HARD_TASK if hard else TASK)
     print(f"warm-started tiny model: greedy accuracy on the validation split "
           f"{100 * summary['warm_start']['accuracy']:.1f}% after "
           f"{summary['warm_start']['pretrain_steps']} supervised steps", flush=True)
@@ -560,6 +573,10 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
               f"trainer.validation_interval_steps={VALIDATION_EVERY}",
               f"checkpoint.save_interval_steps={steps}",
               "checkpoint.keep_last=1000"] + overrides
+    if hard:
+        # every arm trains on the same questions: the pool covers only those its source solved,
+        # an easier subset on this split (the paper's protocol keeps them alone)
+        common.append("replay.pooled_questions_only=false")
     pool = os.path.join(out_dir, "pool.parquet")
 
     def run_dir(arm: str, seed: int) -> str:
@@ -585,12 +602,31 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
 
     _run_all(each(["baseline"]), jobs)
     # the paper collects the pool from the baseline's final checkpoint (one baseline run, one
-    # pool): here the first seed's, at its last step
-    source = os.path.join(run_dir("baseline", seed_list[0]), "checkpoints", f"step_{steps:08d}")
+    # pool): here the first seed's, at its last step; the hard miniature's from a baseline run
+    # of its own, longer than the arms, with a seed none of them has
+    source_seed, source_steps = seed_list[0], steps
+    if hard:
+        source_seed = HARD_POOL_SOURCE["seed"]
+        source_steps = steps * HARD_POOL_SOURCE["steps_factor"]
+        source_dir = run_dir("pool_source", source_seed)
+        if not os.path.isdir(os.path.join(source_dir, "checkpoints",
+                                          f"step_{source_steps:08d}")):
+            print(f"pool source: baseline seed {source_seed}, {source_steps} steps ...",
+                  flush=True)
+            seconds = _run(["train", "--config", os.path.join(recipes, "tiny_cpu_baseline.yaml"),
+                            *common, f"trainer.total_steps={source_steps}",
+                            f"checkpoint.save_interval_steps={source_steps}",
+                            f"trainer.seed={source_seed}", f"trainer.output_dir={source_dir}"],
+                           nproc, os.path.join(out_dir, "pool_source.log"))
+            print(f"pool source: done in {seconds:.0f} s", flush=True)
+        source = os.path.join(source_dir, "checkpoints", f"step_{source_steps:08d}")
+    else:
+        source = os.path.join(run_dir("baseline", seed_list[0]), "checkpoints",
+                              f"step_{steps:08d}")
     if any(arm in POOLED_ARMS for arm in arms) and not os.path.isfile(pool):
-        _collect_pool(recipes, common, source, pool, out_dir, nproc, seed_list[0], steps)
+        _collect_pool(recipes, common, source, pool, out_dir, nproc, source_seed, source_steps)
     if os.path.isfile(pool):
-        summary["pool"] = _pool_stats(pool, source, out_dir, steps, seed_list[0])
+        summary["pool"] = _pool_stats(pool, source, out_dir, source_steps, source_seed)
     _run_all(each(arms[1:]), jobs)
 
     curves = {arm: [read_curves(os.path.join(run_dir(arm, s), "metrics.jsonl"))

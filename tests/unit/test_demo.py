@@ -274,3 +274,69 @@ def test_replay_policy_bench_bins_questions_by_step0_pass_rate_worked_by_hand():
     # mean 60.0; paired differences +10 and +30: mean +20, t(0.975, 1) = 12.706,
     # sd 14.14 / sqrt(2) = 10 -> +20 +- 127.1
     assert row.split(" | ")[2:] == ["40.0", "60.0 (+20.0 [-107.1, +147.1]) |"]
+
+
+def test_the_hard_miniature_has_a_directory_of_its_own(tmp_path):
+    """A directory built for the tiny default is refused for the hard miniature and back: its
+    task (and so its warm start) differs only in the corpus' slips and column share."""
+    from rlep_megatron.demo import HARD_TASK, TASK, _check_settings
+
+    assert {k for k in TASK if TASK[k] != HARD_TASK[k]} == {
+        "num_slips_easy", "num_slips_hard", "stepwise_fraction"}
+    default, hard = tmp_path / "default", tmp_path / "hard"
+    default.mkdir()
+    hard.mkdir()
+    _check_settings(str(default), 0)
+    _check_settings(str(hard), 0, HARD_TASK)
+    _check_settings(str(hard), 0, HARD_TASK)  # continued
+    with pytest.raises(FileExistsError, match="other settings"):
+        _check_settings(str(hard), 0)
+    with pytest.raises(FileExistsError, match="other settings"):
+        _check_settings(str(default), 0, HARD_TASK)
+
+
+def test_replay_policy_bench_hard_bins_and_diagnostics_worked_by_hand(tmp_path):
+    """bench/replay_policies.py --hard: the finer bins, and the diagnostics' per-run means over
+    the training steps (the replay share counts replays among all trained sequences) with the
+    paired difference to the reference arm."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "replay_policies", os.path.join(REPO_ROOT, "bench", "replay_policies.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    assert bench.bin_names(bench.HARD_EDGES) == ["[0, .05)", "[.05, .1)", "[.1, .25)",
+                                                 "[.25, 1]"]
+    # pass rates 0, 1/20, 2/20, 5/20, 4/20: bins 0, 1, 2, 3, 2
+    step0 = [{"acc": [1] * n + [0] * (20 - n)} for n in (0, 1, 2, 5, 4)]
+    assert bench.difficulty_bins(step0, bench.HARD_EDGES) == [0, 1, 2, 3, 2]
+
+    def write(path, steps):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(json.dumps({"step": i + 1, **s}) for i, s in
+                                  enumerate(steps)) + "\n")
+
+    # 16 groups of 8 fresh responses; 4 and 12 replays: shares 4/132 and 12/140
+    rlep = [{"train/entropy": 0.5, "rollout/num_groups": 16, "replay/num_sequences": n,
+             "advantage/mean/replay": a, "advantage/mean/fresh": -0.1,
+             "train/pg_clipfrac/replay": 0.2, "train/pg_clipfrac/fresh": 0.01}
+            for n, a in ((4, 1.0), (12, 0.5))]
+    base = [{"train/entropy": 0.7, "rollout/num_groups": 16, "replay/num_sequences": 0,
+             "advantage/mean/fresh": 0.0, "train/pg_clipfrac": 0.02}] * 2
+    write(tmp_path / "rlep.jsonl", rlep + [{"val/tiny_arith/mean@8": 0.5}])
+    write(tmp_path / "base.jsonl", base)
+    r = bench.run_diagnostics(str(tmp_path / "rlep.jsonl"), 8)
+    b = bench.run_diagnostics(str(tmp_path / "base.jsonl"), 8)
+    assert r["replay share of trained sequences"] == pytest.approx((4 / 132 + 12 / 140) / 2)
+    assert r["mean advantage of replays"] == 0.75
+    assert r["clip fraction, fresh tokens"] == 0.01
+    assert b["clip fraction, fresh tokens"] == 0.02  # a run without replays: the whole clip
+    assert "mean advantage of replays" not in b
+    table = bench.diagnostics_table({"baseline": [b, b], "rlep": [r, r]})
+    row = next(line for line in table.splitlines() if line.startswith("| entropy"))
+    # the same values on both seeds: intervals of width 0; rlep - baseline = -0.2
+    assert row == ("| entropy (nats per token) | 0.7 [0.7, 0.7] | 0.5 [0.5, 0.5] (vs "
+                   "baseline: -0.2 [-0.2, -0.2]) |")
+    row = next(line for line in table.splitlines() if "advantage of replays" in line)
+    assert row == "| mean advantage of replays | - | 0.75 [0.75, 0.75] |"
