@@ -21,8 +21,8 @@ by question difficulty. Prints one table per comparison and one of accuracy by d
    tokens.
 
 ``--hard``: the hard miniature (``rlep_megatron.demo.HARD_TASK``: the warm start's sampled
-answers are right a fifth of the time or less; its pool from a baseline run twice as long as
-the arms, seed 1000), in its own ``--out``, with finer bins ([0, .05), [.05, .1), [.1, .25),
+answers are right about a fifth of the time; its pool from a baseline run twice as long as the
+arms, seed 1000; every arm trains on every question), in its own ``--out``, with finer bins ([0, .05), [.05, .1), [.1, .25),
 [.25, 1]) and the step-0 pass rates measured twice (two eval seeds: the bins come from the
 first, the second shows how much of a question's bin is sampling noise).
 ``--warm-start-seed``: the demo's (another model, another directory).
