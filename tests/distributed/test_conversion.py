@@ -149,19 +149,13 @@ def test_converted_checkpoint_verifies_at_another_layout(tiny_qwen2_dir, tmp_pat
                                                           "--mcore-dir", mcore, "--tp", "2",
                                                           "--pp", "2"])
     assert "TP=2 PP=2" in proc.stdout and "OK" in proc.stdout
-    # a checkpoint converted from different weights fails the check
-    from rlep_megatron.tiny_model import make_tiny_model
-
-    other = make_tiny_model(str(tmp_path / "other"), seed=1, arch="qwen2")
-    with pytest.raises(AssertionError, match=VERIFY_FAILED):
-        run_torchrun("tools/verify_conversion.py", 2, ["--hf-dir", other, "--mcore-dir", mcore,
-                                                       "--tp", "2"])
+    # (that the check fails on another checkpoint's weights, split over TP2 and over EP2, is
+    # test_a_checkpoint_made_by_transformers_round_trips_and_verifies's)
 
 
 def test_converted_moe_checkpoint_verifies_with_experts_split(tiny_qwen3_moe_dir, tmp_path):
     """The tiny Qwen3-MoE converted once, loaded with its experts split over 2 EP ranks and
-    over TP2 (sequence parallel), checked against transformers; another checkpoint's
-    weights fail."""
+    over TP2 (sequence parallel), checked against transformers."""
     mcore = str(tmp_path / "mcore")
     assert tool("tools/convert_hf_to_mcore.py", "--hf-dir", tiny_qwen3_moe_dir,
                 "--out-dir", mcore).returncode == 0
@@ -169,12 +163,6 @@ def test_converted_moe_checkpoint_verifies_with_experts_split(tiny_qwen3_moe_dir
         proc = run_torchrun("tools/verify_conversion.py", 2,
                             ["--hf-dir", tiny_qwen3_moe_dir, "--mcore-dir", mcore, *args])
         assert "OK" in proc.stdout, proc.stdout
-    from rlep_megatron.tiny_model import make_tiny_model
-
-    other = make_tiny_model(str(tmp_path / "other"), seed=1, arch="qwen3_moe")
-    with pytest.raises(AssertionError, match=VERIFY_FAILED):
-        run_torchrun("tools/verify_conversion.py", 2, ["--hf-dir", other, "--mcore-dir", mcore,
-                                                       "--ep", "2"])
 
 
 def test_tp_that_does_not_divide_heads_is_refused(tiny_qwen2_dir):
