@@ -36,6 +36,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SHAPES = ("qwen2-0.5b", "tiny-moe")
+TIMEOUTS = {"qwen2-0.5b": 125.0, "tiny-moe": 60.0}  # seconds, preparation included
 PHASES = ("rollout", "reward", "old_logprob", "train", "weight_sync", "checkpoint", "step")
 # bf16 decoding with a KV cache against the full-sequence forward: rounding, not a bug (a
 # wrong position or cache gives differences of order 1)
@@ -85,6 +86,11 @@ def overrides(model: str, task: dict, pool: str, run: str, steps: int, device: s
             "checkpoint.keep_last=1"]
 
 
+def one_line(log: str) -> str:
+    """A failed run's last lines, on one line (a row of gpu_check.sh's table)."""
+    return " / ".join(line.strip() for line in log.strip().splitlines()[-6:])[-600:]
+
+
 def rlep(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "rlep_megatron.cli", *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
@@ -118,6 +124,11 @@ def summarise(shape: str, entries: list[dict], plan: dict, resumed: bool, steps:
         problems.append("a step without replays")
     memory = max((e.get("memory/max_allocated_gib", float("nan")) for e in trained),
                  default=float("nan"))
+    # the planner's peaks are what a run may reach (its overhead included): above them, the
+    # plan under-counts something
+    if math.isfinite(memory) and memory > max(plan["train"], plan["rollout"]):
+        problems.append(f"peak {memory:.2f} GiB above the plan's "
+                        f"{max(plan['train'], plan['rollout']):.2f}")
     phases = "; ".join(f"{p} {sum(e.get(f'timing/{p}_s', 0.0) for e in trained) / max(1, len(trained)):.2f}"
                        for p in PHASES)
     verdict = "OK" if not problems else "FAILED (" + "; ".join(problems) + ")"
@@ -128,8 +139,11 @@ def summarise(shape: str, entries: list[dict], plan: dict, resumed: bool, steps:
 
 def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
               ) -> tuple[int, str]:
+    import shutil
+
     started = time.perf_counter()
     root = os.path.join(out, shape)
+    shutil.rmtree(root, ignore_errors=True)  # a run of before would be resumed
     model = make_model(shape, os.path.join(root, "model"))
     task, pool = make_task_and_pool(root)
     run = os.path.join(root, "run")
@@ -141,16 +155,17 @@ def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
                  timeout_s - (time.perf_counter() - started))
     if first.returncode != 0:
         log = first.stdout + first.stderr
-        if "trainer.device=cuda" in log and "CUDA" in log:
-            line = next(l for l in log.splitlines() if "trainer.device=cuda" in l)
+        # rlep train's device check (platform.device.DeviceError): no usable GPU here
+        refusal = [l for l in log.splitlines() if "To run on the CPU on purpose" in l]
+        if refusal and device == "cuda":
             return 2, (f"gpu_step: {shape}: stopped at the first CUDA call (rlep train's "
-                       f"device check): {line.strip()}")
-        return 1, f"gpu_step row: {shape} | FAILED (first run) | {log[-600:]}"
+                       f"device check): {refusal[-1].strip()}")
+        return 1, f"gpu_step row: {shape} | FAILED (first run) | {one_line(log)}"
     second = rlep(["train", *config, *overrides(model, task, pool, run, steps, device)],
                   timeout_s - (time.perf_counter() - started))
     log = second.stdout + second.stderr
     if second.returncode != 0:
-        return 1, f"gpu_step row: {shape} | FAILED (resumed run) | {log[-600:]}"
+        return 1, f"gpu_step row: {shape} | FAILED (resumed run) | {one_line(log)}"
     with open(os.path.join(run, "metrics.jsonl")) as f:
         entries = [json.loads(line) for line in f]
     row = summarise(shape, entries, plan, f"(step {steps - 1})" in log
@@ -165,8 +180,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="RL steps per shape (>= 2)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                       "rlep-gpu-step"))
-    parser.add_argument("--timeout-s", type=float, default=240.0,
-                        help="per shape, preparation included")
+    parser.add_argument("--timeout-s", default=None,
+                        help="seconds per shape, preparation included: one value for every "
+                             "shape, or one per shape of --shapes (default: "
+                             + ", ".join(f"{t:g} for {s}" for s, t in TIMEOUTS.items()) + ")")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: the same job on the CPU (to check this program; slow for "
                              "qwen2-0.5b, and the offload is GPU-only)")
@@ -176,13 +193,18 @@ def main() -> int:
     if unknown or args.steps < 2:
         parser.error(f"unknown shape {unknown} (choose from {SHAPES})" if unknown
                      else "--steps must be >= 2 (a checkpoint, then a resumed step)")
+    limits = ([TIMEOUTS[s] for s in shapes] if args.timeout_s is None
+              else [float(t) for t in args.timeout_s.split(",")])
+    if len(limits) == 1:
+        limits *= len(shapes)
+    if len(limits) != len(shapes):
+        parser.error(f"--timeout-s: {len(limits)} values for {len(shapes)} shapes")
     worst = 0
-    for shape in shapes:
+    for shape, limit in zip(shapes, limits):
         try:
-            code, line = run_shape(shape, args.out, args.steps, args.timeout_s,
-                                   args.device)
+            code, line = run_shape(shape, args.out, args.steps, limit, args.device)
         except subprocess.TimeoutExpired:
-            code, line = 1, f"gpu_step row: {shape} | FAILED (over {args.timeout_s:.0f} s) |"
+            code, line = 1, f"gpu_step row: {shape} | FAILED (over {limit:.0f} s) |"
         print(line, flush=True)
         if code == 2:
             return 2

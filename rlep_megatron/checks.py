@@ -70,6 +70,13 @@ def _check_layout(cfg: RunConfig, hf: dict, problems: list[str]) -> None:
         if getattr(cfg.algo, key) > 0 and not layout_limits(hf)["num_experts"]:
             problems.append(f"algo.{key} needs a mixture-of-experts model; this one is dense: "
                             "use 0")
+    if (cfg.rollout.backend == "megatron" and layout_limits(hf)["num_experts"]
+            and parallel.tensor_model_parallel_size > 1):
+        problems.append("rollout.backend=megatron with a mixture-of-experts model at "
+                        "parallel.tensor_model_parallel_size > 1: megatron's MoE layer needs "
+                        "sequence parallelism there, which decoding one token at a time cannot "
+                        "split; use tensor_model_parallel_size=1 (data-parallel replicas) or "
+                        "rollout.backend=vllm")
     rollout_tp = cfg.rollout.tensor_model_parallel_size
     if heads and heads % rollout_tp:
         problems.append(f"rollout.tensor_model_parallel_size={rollout_tp} does not divide the "

@@ -708,7 +708,7 @@ def _advice(cfg: RunConfig, fits_train: bool, fits_rollout: bool, rollout: dict)
         else:
             if not cfg.optim.offload_during_rollout and cfg.rollout.placement != "separate":
                 out.append("optim.offload_during_rollout=true (gradients and Adam state leave "
-                           "the GPU while vLLM runs)")
+                           "the GPU while the rollout runs)")
             out.append("rollout.megatron_batch_size down (a smaller KV cache)"
                        if cfg.rollout.backend == "megatron"
                        else f"{memory_key} down (a smaller KV cache)")

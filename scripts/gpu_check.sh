@@ -176,7 +176,8 @@ for args in "" "--micro-batch 1 --seq-len 8192"; do
 done
 # whole RLEP steps, rollout.backend=megatron: one row per shape ("gpu_step row: shape |
 # verdict | details"); a shape that did not report is a failed row
-if timed "${LIMITS[4]}" "$PYTHON" bench/gpu_step.py --timeout-s 130; then :; else status=1; fi
+# (the program's limits per shape, 125 + 60 s, fit the step's)
+if timed "${LIMITS[4]}" "$PYTHON" bench/gpu_step.py --timeout-s 125,60; then :; else status=1; fi
 for shape in qwen2-0.5b tiny-moe; do
     line=$(echo "$out" | grep "^gpu_step row: $shape |" | tail -1)
     if [ -z "$line" ]; then

@@ -54,7 +54,8 @@ def build_engine(cfg, *, model_dir: Optional[str] = None, load_weights: bool = F
                              "build_engine needs actor=(chunks, info)")
         return MegatronEngine(actor[0], actor[1], model_dir or cfg.model.hf_dir, rollout,
                               max_model_len=max_model_len(cfg),
-                              batch_size=rollout.megatron_batch_size)
+                              batch_size=rollout.megatron_batch_size,
+                              prefill_tokens=cfg.trainer.micro_batch_max_tokens)
     seed = cfg.trainer.seed if seed is None else seed
     if rollout.placement == "separate":
         from rlep_megatron.rollout.servers.engine import ServerEngine

@@ -6,7 +6,8 @@
   test), and the same test rejects a sampler that ignores the temperature;
 - the log-prob it reports for each sampled token equals the actor's (its training forward,
   megatron's full-sequence attention) in fp32 (at TP 2 too: the e2e test's training run);
-- a response depends on its seed only, not on the batch it was decoded in."""
+- a response depends on its seed only, not on the batch it was decoded in, nor on how its
+  prompt's prefill was sliced."""
 import json
 import math
 
@@ -84,6 +85,16 @@ def program(hf_dir: str, out: str) -> None:
               for s in (101, 102, 103)]
     batch_diff = max((abs(a - b) for (_, la, _), (_, lb, _) in zip(rows, single)
                       for a, b in zip(la, lb)), default=0.0)
+    # the prompts prefilled three rows per forward (megatron's batch_size_offset) instead of
+    # all at once: the same responses
+    sliced = MegatronEngine(chunks, info, hf_dir, cfg, max_model_len=128, batch_size=64,
+                            prefill_tokens=3 * max(len(p) for p in prompts))
+    again = sliced.generate(prompts, seed=5)
+    report["sliced_prefill_same_tokens"] = ([[r.token_ids for r in g] for g in again]
+                                            == [[r.token_ids for r in g] for g in groups])
+    report["sliced_prefill_diff"] = max(abs(a - b) for g, h in zip(groups, again)
+                                        for r, q in zip(g, h)
+                                        for a, b in zip(r.logprobs, q.logprobs))
     report.update(max_abs_diff=worst, tokens=tokens, batch_diff=batch_diff,
                   batch_independent=[(t, r) for t, _, r in rows] == [(t, r) for t, _, r
                                                                      in single],
@@ -182,5 +193,10 @@ def test_logprobs_equal_the_actors_in_fp32(reports, run):
     report = reports[run]
     assert report["tokens"] > 100
     assert report["max_abs_diff"] <= 1e-4, report["max_abs_diff"]
+    # the responses ended both ways: some stopped (and left their batch mid-decoding, the
+    # KV cache rows of the others kept), some ran to the length budget
+    assert report["reasons"] == ["length", "stop"]
     assert report["batch_independent"]
     assert report["batch_diff"] <= 1e-5, report["batch_diff"]
+    assert report["sliced_prefill_same_tokens"]
+    assert report["sliced_prefill_diff"] <= 1e-5, report["sliced_prefill_diff"]

@@ -33,6 +33,9 @@ def test_the_gpu_part_fits_eight_minutes_by_its_own_limits():
     # every timed step takes its limit from the list (no literal limit left behind)
     assert re.findall(r"timed ([^ ]+) ", text) == [
         '"${LIMITS[0]}"', '"${LIMITS[1]}"', '"${LIMITS[2]}"', '"${LIMITS[4]}"']
+    # the whole-step program's own limits per shape fit inside its step's
+    per_shape = re.search(r"bench/gpu_step.py --timeout-s ([0-9,]+)", text).group(1)
+    assert sum(int(t) for t in per_shape.split(",")) < limits[4], (per_shape, limits[4])
 
 
 def test_the_whole_step_program_runs_up_to_the_first_cuda_call(tmp_path):

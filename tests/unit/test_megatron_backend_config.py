@@ -84,6 +84,9 @@ def test_draws_stay_in_the_kept_set_and_depend_on_the_seed_only():
                                                                        torch.device("cpu"))],
                                      0.8, 0.7, 10)
         assert int(alone) == int(tokens[2])
-    greedy, logp = sampling.sample(logits, [None] * 4, 0.0)
-    assert torch.equal(greedy, logits.argmax(-1))
-    assert torch.allclose(logp, torch.log_softmax(logits, -1).max(-1).values)
+    # greedy: the argmax, and its log-prob of the unfiltered softmax whatever top-p and top-k
+    # say (vLLM turns them off for greedy requests)
+    for top_p, top_k in ((1.0, -1), (0.5, 3)):
+        greedy, logp = sampling.sample(logits, [None] * 4, 0.0, top_p, top_k)
+        assert torch.equal(greedy, logits.argmax(-1))
+        assert torch.allclose(logp, torch.log_softmax(logits, -1).max(-1).values)

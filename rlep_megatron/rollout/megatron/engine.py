@@ -16,10 +16,16 @@ parallelism and sequence parallelism are refused by the config (decoding one tok
 through a pipeline schedule, or split over ranks, is not written).
 
 Decoding: the rows of one batch share their prompt length (a prompt's ``n`` samples, and other
-prompts of that length), are prefilled together and decoded one token per step; a row that
-stops leaves the batch (its KV cache rows are dropped), so the tail decodes only what is left.
-Sampling is :mod:`rlep_megatron.rollout.megatron.sampling` (vLLM's semantics, one generator per
-request). The model runs in eval mode for generation and goes back to its mode after."""
+prompts of that length); their prompts are prefilled into the KV cache in slices of at most
+``prefill_tokens`` tokens (megatron's ``batch_size_offset``), then the batch decodes one token
+per step; a row that stops leaves the batch (its KV cache rows are dropped), so the tail decodes
+only what is left. Sampling is :mod:`rlep_megatron.rollout.megatron.sampling` (vLLM's semantics,
+one generator per request); with tensor parallelism the first rank of the group sends the drawn
+tokens to the others at every step, so that the group's ranks always decode the same rows.
+The model runs in eval mode for generation and goes back to its mode after, with megatron DDP's
+parameter-gather hooks off meanwhile (the weights are complete whenever the engine generates:
+loaded whole, or gathered after each update; a hook would start a data-parallel collective
+that replicas with other shares never reach)."""
 from __future__ import annotations
 
 import contextlib
@@ -65,7 +71,7 @@ class MegatronEngine:
         "rollout.backend=megatron generates with the actor's own model and records no routing")
 
     def __init__(self, chunks: Sequence[torch.nn.Module], info, tokenizer_dir: str, cfg, *,
-                 max_model_len: int, batch_size: int):
+                 max_model_len: int, batch_size: int, prefill_tokens: int = 8192):
         from megatron.core import parallel_state as ps
         from transformers import AutoTokenizer
 
@@ -84,9 +90,13 @@ class MegatronEngine:
         self.eos_token_id = int(self.tokenizer.eos_token_id)
         self.stop_ids = stop_token_ids(tokenizer_dir, self.tokenizer)
         self.max_model_len, self.batch_size = max_model_len, batch_size
+        self.prefill_tokens = max(1, prefill_tokens)
         self.vocab_size = info.dims.vocab_size
         self.rank = torch.distributed.get_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_src = ps.get_tensor_model_parallel_src_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.gather_group = distributed.rollout_group(cfg.gather_timeout_minutes)
@@ -121,6 +131,8 @@ class MegatronEngine:
         top_p = cfg.top_p if top_p is None else top_p
         top_k = cfg.top_k if top_k is None else top_k
         max_tokens = cfg.max_response_tokens if max_tokens is None else max_tokens
+        for prompt in prompts:  # every rank checks every prompt: all raise, none waits
+            self._check_prompt(prompt)
         mine = self.share(prompts, n, max_tokens)
         rows = [(i, list(prompts[i]), request_seed(seed, i, n) + j)
                 for i in mine for j in range(n)]
@@ -146,11 +158,7 @@ class MegatronEngine:
         out: list = [None] * len(rows)
         by_length: dict[int, list[int]] = {}
         for r, (prompt, _) in enumerate(rows):
-            if not prompt:
-                raise ValueError("rollout.backend=megatron got an empty prompt")
-            if len(prompt) >= self.max_model_len:
-                raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the "
-                                 f"engine's {self.max_model_len} tokens")
+            self._check_prompt(prompt)
             by_length.setdefault(len(prompt), []).append(r)
         started = time.perf_counter()
         with self._eval_mode(), torch.no_grad():
@@ -168,14 +176,29 @@ class MegatronEngine:
         self.busy_s += time.perf_counter() - started
         return out
 
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("rollout.backend=megatron got an empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room in the engine's "
+                             f"{self.max_model_len} tokens (data.max_prompt_tokens + "
+                             "rollout.max_response_tokens)")
+
     @contextlib.contextmanager
     def _eval_mode(self):
+        """Eval mode, and megatron DDP's forward pre-hooks off (no parameter-gather collective
+        inside generation; removing and adding them back is local)."""
         training = self.model.training
+        hooked = bool(getattr(self.model, "use_forward_hook", False))
+        if hooked:
+            self.model.disable_forward_pre_hook(param_sync=False)
         self.model.eval()
         try:
             yield
         finally:
             self.model.train(training)
+            if hooked:
+                self.model.enable_forward_pre_hook()
 
     def _forward(self, ids: torch.Tensor, start: int, context) -> torch.Tensor:
         """The next-token logits ``[rows, vocab]`` after ``ids`` ``[rows, t]`` at positions
@@ -196,12 +219,19 @@ class MegatronEngine:
         logprobs: list[list[float]] = [[] for _ in prompts]
         reasons: list[Optional[str]] = [None] * len(prompts)
         active = list(range(len(prompts)))
-        logits = self._forward(torch.tensor(prompts, dtype=torch.long), 0, context)
+        ids = torch.tensor(prompts, dtype=torch.long)
+        rows = max(1, self.prefill_tokens // length)  # the prefill's rows per forward
+        parts = []
+        for first in range(0, len(prompts), rows):
+            context.batch_size_offset = first
+            parts.append(self._forward(ids[first:first + rows], 0, context))
+        context.batch_size_offset = 0
+        logits = torch.cat(parts)
         position = length
         for step in range(max_tokens):
             drawn, logp = sample(logits, [generators[r] for r in active], temperature,
                                  top_p, top_k)
-            drawn, logp = drawn.tolist(), logp.tolist()
+            drawn, logp = self._agree(drawn, logp)
             keep = []
             for k, r in enumerate(active):
                 tokens[r].append(drawn[k])
@@ -228,6 +258,16 @@ class MegatronEngine:
         if max_tokens == 0:
             reasons = ["length"] * len(prompts)
         return [(t, lp, reason) for t, lp, reason in zip(tokens, logprobs, reasons)]
+
+    def _agree(self, drawn: torch.Tensor, logp: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The drawn tokens and log-probs as the tensor-parallel group's first rank has them
+        (every rank computes them from the same gathered logits; this makes the group's stop
+        decisions, and so its batches, the same by construction)."""
+        if self.tp_size > 1:
+            both = torch.stack([drawn.to(torch.float64), logp.to(torch.float64)])
+            torch.distributed.broadcast(both, src=self.tp_src, group=self.tp_group)
+            drawn, logp = both[0].to(torch.long), both[1]
+        return drawn.tolist(), logp.tolist()
 
     def requests(self, cfg):
         """A driver of requests across steps

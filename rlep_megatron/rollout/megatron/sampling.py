@@ -3,9 +3,11 @@ temperature, top-k then top-p filtering, a draw from the softmax of what is left
 token's log-prob under that same processed distribution (vLLM's ``processed_logprobs``, which
 the actor's log-probs equal where top-k and top-p keep every token).
 
-Every row has a generator of its own (seeded per request as vLLM seeds its samples), so a
-response depends on its seed alone, not on which rows share its batch: the draw is the
-Gumbel-max trick over uniforms drawn from the row's generator."""
+Every row has a generator of its own (seeded per request as vLLM seeds its samples), so the
+draws of a response depend on its seed alone, not on which rows share its batch (the Gumbel-max
+trick over uniforms drawn from the row's generator); the logits they are drawn from can differ
+in the last bits with the batch's shape (other matrix-multiply tilings, in bf16 on a GPU
+above all)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -16,12 +18,14 @@ import torch
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
                    top_k: int = -1) -> torch.Tensor:
     """``[rows, vocab]`` float32 log-probs of the processed distribution: ``logits /
-    temperature`` (greedy, ``temperature == 0``: the logits as they are), the tokens outside the
-    ``top_k`` largest and outside the smallest set whose mass reaches ``top_p`` set to -inf,
-    renormalised."""
+    temperature``, the tokens outside the ``top_k`` largest and outside the smallest set whose
+    mass reaches ``top_p`` set to -inf, renormalised. Greedy (``temperature == 0``): the
+    log-softmax of the logits as they are, no filter (vLLM turns top-k and top-p off for greedy
+    requests)."""
     scaled = logits.float()
-    if temperature > 0:
-        scaled = scaled / temperature
+    if temperature == 0:
+        return torch.log_softmax(scaled, dim=-1)
+    scaled = scaled / temperature
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
