@@ -38,9 +38,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 SHAPES = ("qwen2-0.5b", "tiny-moe")
 TIMEOUTS = {"qwen2-0.5b": 125.0, "tiny-moe": 60.0}  # seconds, preparation included
 PHASES = ("rollout", "reward", "old_logprob", "train", "weight_sync", "checkpoint", "step")
-# bf16 decoding with a KV cache against the full-sequence forward: rounding, not a bug (a
-# wrong position or cache gives differences of order 1)
-MAX_LOGPROB_DIFF = 0.1
+# bf16 decoding with a KV cache against the actor's full-sequence forward, mean |difference|
+# per token. Measured on CPU in bf16 (Intel Xeon): 9.5e-4 on the tiny Qwen2 and at most 8.3e-4
+# on the tiny MoE over 3 steps; a decoding bug that writes each new key one position early
+# gave 1.3e-2 on the tiny Qwen2. A random model's near-uniform attention hides such bugs more
+# than a trained one's, hence a bound this close; a GPU's own bf16 level is not measured yet.
+MAX_LOGPROB_DIFF = 5e-3
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
