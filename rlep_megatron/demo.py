@@ -529,13 +529,49 @@ def _pool_stats(pool: str, source: str, out_dir: str, steps: int, seed: int) -> 
     return stats
 
 
+def _common_overrides(model_dir: str, task_dir: str, steps: int, overrides: list[str],
+                      hard: bool) -> list[str]:
+    """The overrides every run of a demo shares (the user's last)."""
+    common = [f"model.hf_dir={model_dir}",
+              f"data.train_files=[{os.path.join(task_dir, 'train.parquet')}]",
+              f"data.val_files=[{os.path.join(task_dir, 'val.parquet')}]",
+              f"trainer.total_steps={steps}",
+              f"trainer.validation_interval_steps={VALIDATION_EVERY}",
+              f"checkpoint.save_interval_steps={steps}",
+              "checkpoint.keep_last=1000"] + overrides
+    if hard:
+        # every arm trains on the same questions: the pool covers only those its source solved,
+        # an easier subset on this split (the paper's protocol keeps them alone)
+        common.append("replay.pooled_questions_only=false")
+    return common
+
+
+def _hard_pool_source(recipes: str, common: list[str], out_dir: str, nproc: int,
+                      steps: int) -> tuple[str, int, int]:
+    """The hard miniature's pool source (:data:`HARD_POOL_SOURCE`): a baseline run longer than
+    the arms, with a seed none of them has, trained once. Returns its final checkpoint, its
+    seed and its steps."""
+    seed = HARD_POOL_SOURCE["seed"]
+    source_steps = steps * HARD_POOL_SOURCE["steps_factor"]
+    directory = os.path.join(out_dir, "pool_source", f"seed_{seed}")
+    checkpoint = os.path.join(directory, "checkpoints", f"step_{source_steps:08d}")
+    if not os.path.isdir(checkpoint):
+        print(f"pool source: baseline seed {seed}, {source_steps} steps ...", flush=True)
+        seconds = _run(["train", "--config", os.path.join(recipes, "tiny_cpu_baseline.yaml"),
+                        *common, f"trainer.total_steps={source_steps}",
+                        f"checkpoint.save_interval_steps={source_steps}",
+                        f"trainer.seed={seed}", f"trainer.output_dir={directory}"],
+                       nproc, os.path.join(out_dir, "pool_source.log"))
+        print(f"pool source: done in {seconds:.0f} s", flush=True)
+    return checkpoint, seed, source_steps
+
+
 def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
              seeds: Optional[int] = None, overrides: Optional[list[str]] = None,
              warm_start_seed: int = 0, prepare_only: bool = False,
              arms: Optional[list[str]] = None, jobs: Optional[int] = None,
              hard: bool = False) -> dict:
-    """The demo (``rlep demo``). ``hard``: the hard miniature (:data:`HARD_TASK`, its pool from
-    a baseline run of :data:`HARD_POOL_SOURCE`) in place of the tiny default."""
+    """``rlep demo``; ``hard``: the hard miniature (:data:`HARD_TASK`, :data:`HARD_POOL_SOURCE`)."""
     budget = dict(LONG if long else QUICK)
     jobs = default_jobs(nproc) if jobs is None else jobs
     if jobs < 1:
@@ -557,8 +593,7 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     task_dir, model_dir = os.path.join(out_dir, "task"), os.path.join(out_dir, "model")
     summary: dict = {"budget": budget, "nproc": nproc, "warm_start_seed": warm_start_seed,
                      "jobs": jobs, "torch_threads": threads or _torch_threads(),
-                     "arm_names": arms}
-    summary["hard"] = hard
+                     "arm_names": arms, "hard": hard}
     summary["warm_start"] = prepare_model(out_dir, warm_start_seed,
                                           HARD_TASK if hard else TASK)
     print(f"warm-started tiny model: greedy accuracy on the validation split "
@@ -568,17 +603,7 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
         print(f"task: {task_dir}\nmodel: {model_dir}", flush=True)
         return summary
 
-    common = [f"model.hf_dir={model_dir}",
-              f"data.train_files=[{os.path.join(task_dir, 'train.parquet')}]",
-              f"data.val_files=[{os.path.join(task_dir, 'val.parquet')}]",
-              f"trainer.total_steps={steps}",
-              f"trainer.validation_interval_steps={VALIDATION_EVERY}",
-              f"checkpoint.save_interval_steps={steps}",
-              "checkpoint.keep_last=1000"] + overrides
-    if hard:
-        # every arm trains on the same questions: the pool covers only those its source solved,
-        # an easier subset on this split (the paper's protocol keeps them alone)
-        common.append("replay.pooled_questions_only=false")
+    common = _common_overrides(model_dir, task_dir, steps, overrides, hard)
     pool = os.path.join(out_dir, "pool.parquet")
 
     def run_dir(arm: str, seed: int) -> str:
@@ -606,25 +631,10 @@ def run_demo(out_dir: str = "outputs/tiny", long: bool = False, nproc: int = 1,
     # the paper collects the pool from the baseline's final checkpoint (one baseline run, one
     # pool): here the first seed's, at its last step; the hard miniature's from a baseline run
     # of its own, longer than the arms, with a seed none of them has
-    source_seed, source_steps = seed_list[0], steps
-    if hard:
-        source_seed = HARD_POOL_SOURCE["seed"]
-        source_steps = steps * HARD_POOL_SOURCE["steps_factor"]
-        source_dir = run_dir("pool_source", source_seed)
-        if not os.path.isdir(os.path.join(source_dir, "checkpoints",
-                                          f"step_{source_steps:08d}")):
-            print(f"pool source: baseline seed {source_seed}, {source_steps} steps ...",
-                  flush=True)
-            seconds = _run(["train", "--config", os.path.join(recipes, "tiny_cpu_baseline.yaml"),
-                            *common, f"trainer.total_steps={source_steps}",
-                            f"checkpoint.save_interval_steps={source_steps}",
-                            f"trainer.seed={source_seed}", f"trainer.output_dir={source_dir}"],
-                           nproc, os.path.join(out_dir, "pool_source.log"))
-            print(f"pool source: done in {seconds:.0f} s", flush=True)
-        source = os.path.join(source_dir, "checkpoints", f"step_{source_steps:08d}")
-    else:
-        source = os.path.join(run_dir("baseline", seed_list[0]), "checkpoints",
-                              f"step_{steps:08d}")
+    source, source_seed, source_steps = (
+        _hard_pool_source(recipes, common, out_dir, nproc, steps) if hard else
+        (os.path.join(run_dir("baseline", seed_list[0]), "checkpoints", f"step_{steps:08d}"),
+         seed_list[0], steps))
     if any(arm in POOLED_ARMS for arm in arms) and not os.path.isfile(pool):
         _collect_pool(recipes, common, source, pool, out_dir, nproc, source_seed, source_steps)
     if os.path.isfile(pool):

@@ -60,9 +60,8 @@ def open_engine(cfg, checkpoint: str, seed: int):
     kind = checkpoint_kind(checkpoint)
     distributed.init_process_group()
     if cfg.rollout.backend == "megatron":  # the checkpoint's own model generates
-        from rlep_megatron.rollout.megatron.engine import open_megatron_engine
-
-        return open_megatron_engine(cfg, checkpoint, kind, seed)
+        chunks, info, base = _megatron_model(cfg, checkpoint, kind, seed)
+        return build_engine(cfg, model_dir=base, seed=seed, actor=(chunks, info))
     if kind == "training":
         return _engine_from_training_checkpoint(cfg, checkpoint, seed)
     if cfg.rollout.placement != "separate":
@@ -177,3 +176,39 @@ def _engine_from_training_checkpoint(cfg, checkpoint: str, seed: int):
     gc.collect()
     gc.freeze()
     return engine
+
+
+def _megatron_model(cfg, checkpoint: str, kind: str, seed: int):
+    """For ``rlep collect`` / ``rlep eval`` with ``rollout.backend=megatron``: this rank's
+    ``(chunks, info)`` of ``checkpoint`` (an HF directory, or a training checkpoint with
+    ``model.hf_dir`` its base) at the run's ``parallel`` layout, and the directory of its
+    tokenizer (collective)."""
+    from rlep_megatron.checkpoint.hf_io import load_hf_config
+    from rlep_megatron.models import layout_limits
+    from rlep_megatron.models.megatron import build_model, resolve_dtype
+
+    base = checkpoint if kind == "hf" else cfg.model.hf_dir
+    if not base:
+        raise ValueError("loading a training checkpoint needs model.hf_dir (the HF directory "
+                         "the run started from: config and tokenizer)")
+    hf = load_hf_config(base)
+    distributed.init_model_parallel(cfg.parallel, seed=seed, **layout_limits(hf))
+    if kind == "hf":
+        from rlep_megatron.actor.model import build_from_hf
+
+        chunks, info = build_from_hf(checkpoint, cfg.model.params_dtype,
+                                     transformer_engine=cfg.model.transformer_engine,
+                                     moe_experts=cfg.model.moe_experts)
+        return chunks, info, base
+    from rlep_megatron.checkpoint.dist import load_mcore_weights
+
+    lora = checkpoint_lora(checkpoint)
+    chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype),
+                               transformer_engine="off" if lora else cfg.model.transformer_engine,
+                               moe_experts=cfg.model.moe_experts)
+    if lora is not None:
+        from rlep_megatron.lora.adapters import attach
+
+        attach(chunks, info, lora, seed=0)
+    load_mcore_weights(chunks, checkpoint, hf_config=hf)
+    return chunks, info, base

@@ -5,7 +5,7 @@
 No vLLM, so no second copy of the weights and no weight sync: in ``rlep train`` the engine
 generates with the chunks the optimizer updates, and a weight update is a version change only
 (``receives_weights`` is false; the lifecycle passes no tensor). ``rlep collect`` / ``rlep
-eval`` build the model from the checkpoint themselves (:func:`open_megatron_engine`).
+eval`` build the checkpoint's model first (:mod:`rlep_megatron.rollout.loading`).
 
 Layout: each data-parallel replica of the actor (its tensor-parallel group) samples a share of
 the prompts (:func:`~rlep_megatron.rollout.requests.split_by_budget`), every rank of the group
@@ -264,8 +264,10 @@ class MegatronEngine:
         (every rank computes them from the same gathered logits; this makes the group's stop
         decisions, and so its batches, the same by construction)."""
         if self.tp_size > 1:
+            from rlep_megatron import distributed
+
             both = torch.stack([drawn.to(torch.float64), logp.to(torch.float64)])
-            torch.distributed.broadcast(both, src=self.tp_src, group=self.tp_group)
+            distributed.broadcast(both, src=self.tp_src, group=self.tp_group)
             drawn, logp = both[0].to(torch.long), both[1]
         return drawn.tolist(), logp.tolist()
 
@@ -332,40 +334,3 @@ class MegatronEngine:
         self.__dict__.pop("model", None)
 
 
-def open_megatron_engine(cfg, checkpoint: str, kind: str, seed: int) -> MegatronEngine:
-    """For ``rlep collect`` / ``rlep eval``: this rank's model of ``checkpoint`` (an HF
-    directory, or a training checkpoint with ``model.hf_dir`` its base) at the run's
-    ``parallel`` layout, as the engine (collective)."""
-    from rlep_megatron import distributed
-    from rlep_megatron.checkpoint.hf_io import load_hf_config
-    from rlep_megatron.models import layout_limits
-    from rlep_megatron.models.megatron import build_model, resolve_dtype
-    from rlep_megatron.rollout.factory import build_engine
-
-    base = checkpoint if kind == "hf" else cfg.model.hf_dir
-    if not base:
-        raise ValueError("loading a training checkpoint needs model.hf_dir (the HF directory "
-                         "the run started from: config and tokenizer)")
-    hf = load_hf_config(base)
-    distributed.init_model_parallel(cfg.parallel, seed=seed, **layout_limits(hf))
-    if kind == "hf":
-        from rlep_megatron.actor.model import build_from_hf
-
-        chunks, info = build_from_hf(checkpoint, cfg.model.params_dtype,
-                                     transformer_engine=cfg.model.transformer_engine,
-                                     moe_experts=cfg.model.moe_experts)
-    else:
-        from rlep_megatron.checkpoint.dist import load_mcore_weights
-        from rlep_megatron.rollout.loading import checkpoint_lora
-
-        lora = checkpoint_lora(checkpoint)
-        chunks, info = build_model(hf, resolve_dtype(cfg.model.params_dtype),
-                                   transformer_engine="off" if lora else
-                                   cfg.model.transformer_engine,
-                                   moe_experts=cfg.model.moe_experts)
-        if lora is not None:
-            from rlep_megatron.lora.adapters import attach
-
-            attach(chunks, info, lora, seed=0)
-        load_mcore_weights(chunks, checkpoint, hf_config=hf)
-    return build_engine(cfg, model_dir=base, seed=seed, actor=(chunks, info))
