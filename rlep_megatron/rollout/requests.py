@@ -55,6 +55,27 @@ def request_seed(seed: int, prompt_index: int, n: int) -> int:
     return int.from_bytes(digest, "little") % _SEED_SPAN + prompt_index * n
 
 
+def sampling_settings(cfg, n: Optional[int], temperature: Optional[float],
+                      top_p: Optional[float], top_k: Optional[int],
+                      max_tokens: Optional[int]) -> tuple[int, float, float, int, int]:
+    """``(n, temperature, top_p, top_k, max_tokens)`` of a generate call: each one given, or the
+    rollout config's (``cfg``: ``RolloutConfig``)."""
+    return (cfg.num_samples_per_prompt if n is None else n,
+            cfg.temperature if temperature is None else temperature,
+            cfg.top_p if top_p is None else top_p,
+            cfg.top_k if top_k is None else top_k,
+            cfg.max_response_tokens if max_tokens is None else max_tokens)
+
+
+def replica_share(prompts: list[list[int]], n: int, max_tokens: int, dp_size: int,
+                  dp_rank: int) -> range:
+    """The prompt indices one of ``dp_size`` rollout replicas samples: a contiguous range,
+    balanced over the replicas by token budget, ``prompt length + n x max_tokens`` per prompt
+    (the prompt is prefilled once for its ``n`` samples; each sample may decode up to
+    ``max_tokens``)."""
+    return split_by_budget([len(p) + n * max_tokens for p in prompts], dp_size)[dp_rank]
+
+
 def split_by_budget(costs: list[int], parts: int) -> list[range]:
     """Cut ``len(costs)`` items, in order, into ``parts`` contiguous ranges whose cost sums are
     as even as a contiguous cut allows: range ``r`` ends where the running cost first reaches

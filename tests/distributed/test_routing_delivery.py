@@ -22,17 +22,20 @@ def table(replica: int, index: int) -> np.ndarray:
     return rng.integers(-1, EXPERTS, size=(positions, LAYERS, TOP_K)).astype(np.int16)
 
 
-def exchange(out: str, tps: list[int]) -> None:
+def exchange(out: str, tps: list[int], lose_a_table: bool = False) -> None:
     """For each TP size of ``tps`` in turn, in one process group: every rank a replica (one
     per ``tp`` ranks), each with its responses and tables; the responses gathered as the
     engine gathers them, then split over the data-parallel ranks (the actor's TP groups of
-    ``tp`` ranks) and the tables delivered. Rank 0 writes ``{tp: what it saw}``."""
+    ``tp`` ranks) and the tables delivered. Rank 0 writes ``{tp: what it saw}``, and with
+    ``lose_a_table`` then ``"lost"``: :func:`_lost_table`'s result."""
     import torch
 
     from rlep_megatron import distributed
 
     distributed.init_process_group()
-    results = {tp: _exchange(tp) for tp in tps}
+    results: dict = {tp: _exchange(tp) for tp in tps}
+    if lose_a_table:
+        results["lost"] = _lost_table()
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -80,7 +83,7 @@ def _exchange(tp: int) -> dict:
 
 
 
-def lost_table(out: str) -> None:
+def _lost_table() -> dict:
     """Rank 0 no longer holds one of its tables when the step asks for it: every rank raises
     at the size exchange (none waits in the exchange that would follow)."""
     import torch
@@ -91,7 +94,6 @@ def lost_table(out: str) -> None:
     from rlep_megatron.rollout.colocated.engine import RolloutEngine
     from rlep_megatron.rollout.response import Response
 
-    distributed.init_process_group()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local = [[Response(i, [1, 2], [0.0] * 2, "", "stop", routing=table(rank, i))]
              for i in range(2)]
@@ -112,23 +114,28 @@ def lost_table(out: str) -> None:
     everywhere = torch.tensor([raised])
     torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN,
                                  group=distributed.rollout_group())
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"raised_everywhere": everywhere.item() == 1.0}, f)
-    distributed.destroy()
+    return {"raised_everywhere": everywhere.item() == 1.0}
 
 
-def run(tmp_path, nproc, tps):
-    out = tmp_path / f"delivery-{nproc}.json"
+def run(directory, nproc, tps, lose_a_table=False):
+    out = directory / f"delivery-{nproc}.json"
     run_function("tests.distributed.test_routing_delivery:exchange", nproc,
-                 {"out": str(out), "tps": list(tps)})
-    return [json.loads(out.read_text())[str(tp)] for tp in tps]
+                 {"out": str(out), "tps": list(tps), "lose_a_table": lose_a_table},
+                 timeout_s=120 if lose_a_table else 600)  # no rank waits on a lost table
+    return json.loads(out.read_text())
 
 
-def test_routing_reaches_only_the_ranks_that_train_it(tmp_path):
-    [two] = run(tmp_path, 2, [1])
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The 2-rank exchange, then (after its tables were checked) a lost table."""
+    return run(tmp_path_factory.mktemp("delivery"), 2, [1], lose_a_table=True)
+
+
+def test_routing_reaches_only_the_ranks_that_train_it(two_ranks, tmp_path):
+    two = two_ranks["1"]
     # 4 replicas; then 2 replicas of 2 ranks (DP2 x TP2 on the actor's side)
-    four, tp2 = run(tmp_path, 4, [1, 2])
+    results = run(tmp_path, 4, [1, 2])
+    four, tp2 = results["1"], results["2"]
     for result in (two, four, tp2):
         # every table of this rank's share arrived intact, in one byte per expert id (8
         # experts), and no other sequence got one
@@ -145,8 +152,5 @@ def test_routing_reaches_only_the_ranks_that_train_it(tmp_path):
     assert four["gathered_bytes"] < two["sent_with_routing"]
 
 
-def test_a_lost_table_fails_every_rank_at_once(tmp_path):
-    out = tmp_path / "lost.json"
-    run_function("tests.distributed.test_routing_delivery:lost_table", 2, {"out": str(out)},
-                 timeout_s=120)
-    assert json.loads(out.read_text())["raised_everywhere"]
+def test_a_lost_table_fails_every_rank_at_once(two_ranks):
+    assert two_ranks["lost"]["raised_everywhere"]

@@ -34,7 +34,8 @@ import torch
 from rlep_megatron import platform
 from rlep_megatron.config import RolloutConfig
 from rlep_megatron.rollout.contract import IncompleteWeightsError
-from rlep_megatron.rollout.requests import merge_gathered, request_seed, split_by_budget
+from rlep_megatron.rollout.requests import (merge_gathered, replica_share, request_seed,
+                                            sampling_settings)
 from rlep_megatron.rollout.response import Response, decode_response
 
 logger = logging.getLogger(__name__)
@@ -303,12 +304,8 @@ class RolloutEngine(MemoryHandOff):
     # ------------------------------------------------------------------ generation
 
     def share(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 0) -> range:
-        """The prompt indices this rank's replica samples: a contiguous range, balanced over
-        the replicas by token budget: ``prompt length + n x max_tokens`` per prompt (the
-        prompt is prefilled and cached once for its ``n`` samples; each sample may decode
-        up to ``max_tokens``)."""
-        costs = [len(p) + n * max_tokens for p in prompts]
-        return split_by_budget(costs, self.dp_size)[self.dp_rank]
+        """The prompt indices this rank's replica samples (:func:`replica_share`)."""
+        return replica_share(prompts, n, max_tokens, self.dp_size, self.dp_rank)
 
     def requests(self, cfg):
         """A driver of requests that continue across steps
@@ -351,12 +348,8 @@ class RolloutEngine(MemoryHandOff):
         responses per prompt, in prompt order. ``routing=False``: no routing tables, also where
         the engine captures them (evaluation trains nothing)."""
         self.check_ready()
-        cfg = self.cfg
-        n = cfg.num_samples_per_prompt if n is None else n
-        temperature = cfg.temperature if temperature is None else temperature
-        top_p = cfg.top_p if top_p is None else top_p
-        top_k = cfg.top_k if top_k is None else top_k
-        max_tokens = cfg.max_response_tokens if max_tokens is None else max_tokens
+        n, temperature, top_p, top_k, max_tokens = sampling_settings(
+            self.cfg, n, temperature, top_p, top_k, max_tokens)
         mine = self.share(prompts, n, max_tokens)
         requests = [{"prompt_token_ids": list(prompts[i])} for i in mine]
         params = [self.sampling_params(n, temperature, top_p, top_k, max_tokens,

@@ -38,7 +38,8 @@ from typing import Optional, Sequence
 import torch
 
 from rlep_megatron.rollout.megatron.sampling import generator, sample
-from rlep_megatron.rollout.requests import merge_gathered, request_seed, split_by_budget
+from rlep_megatron.rollout.requests import (merge_gathered, replica_share, request_seed,
+                                            sampling_settings)
 from rlep_megatron.rollout.response import Response, decode_response
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,8 @@ class MegatronEngine:
         return self.tokenizer
 
     def share(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 0) -> range:
-        """This replica's contiguous share of ``prompts``, balanced by token budget."""
-        costs = [len(p) + n * max_tokens for p in prompts]
-        return split_by_budget(costs, self.dp_size)[self.dp_rank]
+        """The prompt indices this rank's replica samples (:func:`replica_share`)."""
+        return replica_share(prompts, n, max_tokens, self.dp_size, self.dp_rank)
 
     def check_ready(self) -> None:
         """The model is the actor's: always current."""
@@ -125,12 +125,8 @@ class MegatronEngine:
                  seed: int = 0, routing: bool = True) -> list[list[Response]]:
         """``n`` responses per prompt, every prompt's on every rank, in prompt order; the
         ``j``-th sample of prompt ``i`` is drawn from seed ``request_seed(seed, i, n) + j``."""
-        cfg = self.cfg
-        n = cfg.num_samples_per_prompt if n is None else n
-        temperature = cfg.temperature if temperature is None else temperature
-        top_p = cfg.top_p if top_p is None else top_p
-        top_k = cfg.top_k if top_k is None else top_k
-        max_tokens = cfg.max_response_tokens if max_tokens is None else max_tokens
+        n, temperature, top_p, top_k, max_tokens = sampling_settings(
+            self.cfg, n, temperature, top_p, top_k, max_tokens)
         for prompt in prompts:  # every rank checks every prompt: all raise, none waits
             self._check_prompt(prompt)
         mine = self.share(prompts, n, max_tokens)
@@ -155,6 +151,8 @@ class MegatronEngine:
                     ) -> list[tuple[list[int], list[float], str]]:
         """``(tokens, log-probs, finish reason)`` of each ``(prompt, seed)`` row, each row
         given at most ``max_tokens`` new tokens (and the engine's ``max_model_len``)."""
+        if max_tokens < 1:  # as vLLM's SamplingParams
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         out: list = [None] * len(rows)
         by_length: dict[int, list[int]] = {}
         for r, (prompt, _) in enumerate(rows):
@@ -255,8 +253,6 @@ class MegatronEngine:
             active = [active[k] for k in keep]
             logits = self._forward(last, position, context)
             position += 1
-        if max_tokens == 0:
-            reasons = ["length"] * len(prompts)
         return [(t, lp, reason) for t, lp, reason in zip(tokens, logprobs, reasons)]
 
     def _agree(self, drawn: torch.Tensor, logp: torch.Tensor) -> tuple[list[int], list[float]]:
