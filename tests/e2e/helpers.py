@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from rlep_megatron.data.schema import read_prompt_file
 from rlep_megatron.replay.writer import pool_rows, write_pool
 from rlep_megatron.tiny_task import make_tiny_task
-from tests.torchrun import REPO_ROOT, _env
+from tests.torchrun import REPO_ROOT, _env, once_per_run
 
 CONTRACT_KEYS = ["step", "rollout/reward_mean", "rollout/acc_mean", "rollout/response_len_mean",
                  "replay/fraction", "replay/reward_mean", "train/pg_loss", "train/pg_clipfrac",
@@ -143,3 +145,50 @@ def kill_job(proc) -> None:
         pass
     proc.wait()
     psutil.wait_procs(family, timeout=30)
+
+
+def eval_of_memorised(tmp_path_factory, memorised, name: str, overrides: list[str],
+                      nproc: int) -> dict:
+    """``rlep eval`` (tiny_cpu_baseline.yaml, vLLM in-process on each of ``nproc`` ranks) of the
+    memorised model (tests/conftest.py) on its 6 training questions, with ``overrides``, run
+    once per test run under ``name`` (:func:`tests.torchrun.once_per_run`) for the tests that
+    share it: ``{"eval": the report file's content, "stdout": the job's}``."""
+    from tests import requires
+
+    requires("vllm")
+
+    def make(directory):
+        task, model = memorised(directory / "task", directory / "model")
+        out = directory / "eval.json"
+        result = run_rlep(["eval", "--config", recipe("tiny_cpu_baseline.yaml"),
+                           f"model.hf_dir={model}", f"eval.files=[{task['train']}]",
+                           f"eval.output_file={out}", f"trainer.output_dir={directory}",
+                           *overrides], nproc=nproc)
+        with open(out) as f:
+            return {"eval": json.load(f), "stdout": result.stdout}
+    return once_per_run(tmp_path_factory, name, make)
+
+
+# the shared evals' settings, which the tests that compare another job with one of them give it
+GREEDY_EVAL = ["eval.num_samples_per_prompt=1", "eval.temperature=0", "reward.num_workers=1",
+               "rollout.max_response_tokens=32"]
+SAMPLED_EVAL = ["eval.num_samples_per_prompt=4", "reward.num_workers=1",
+                "rollout.max_response_tokens=32", "data.max_prompt_tokens=96"]
+
+
+@pytest.fixture(scope="session")
+def greedy_eval_of_memorised(tmp_path_factory, memorised):
+    """One greedy answer per question on one rank: the reference that the rollout server
+    (tests/e2e/test_collect_eval.py) and the Megatron engine
+    (tests/e2e/test_megatron_backend.py) must reproduce token for token."""
+    return eval_of_memorised(tmp_path_factory, memorised, "greedy_eval_of_memorised",
+                             GREEDY_EVAL, nproc=1)
+
+
+@pytest.fixture(scope="session")
+def sampled_eval_of_memorised(tmp_path_factory, memorised):
+    """4 sampled answers per question on two ranks: the one-node reference of the two-host eval
+    (tests/e2e/test_multinode.py), and the report whose every metric
+    tests/e2e/test_collect_eval.py recounts."""
+    return eval_of_memorised(tmp_path_factory, memorised, "sampled_eval_of_memorised",
+                             SAMPLED_EVAL, nproc=2)

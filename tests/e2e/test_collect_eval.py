@@ -12,7 +12,8 @@ import pytest
 from rlep_megatron.data.schema import read_prompt_file, rows_to_table
 from rlep_megatron.replay.pool import ExperiencePool
 from rlep_megatron.reward import compute_score
-from tests.e2e.helpers import recipe, run_rlep
+from tests.e2e.helpers import GREEDY_EVAL, recipe, run_rlep
+from tests.e2e.helpers import greedy_eval_of_memorised, sampled_eval_of_memorised  # noqa: F401
 from tests.torchrun import rlep_in_process
 from tests import requires
 
@@ -105,20 +106,15 @@ def test_collect_is_resumable_and_writes_the_rlep_schema(easy, tmp_path):
     assert not os.path.exists(shard_dir)
 
 
-def test_eval_reports_every_metric(easy, tmp_path):
-    task, model = easy
-    out = tmp_path / "eval.json"
-    result = run_rlep(["eval", "--config", recipe("tiny_cpu_baseline.yaml"),
-                       f"model.hf_dir={model}", f"eval.files=[{task['train']}]",
-                       f"eval.output_file={out}", "eval.num_samples_per_prompt=4",
-                       "reward.num_workers=1", "rollout.max_response_tokens=32",
-                       f"trainer.output_dir={tmp_path}"])
-    report = json.load(open(out))
+def test_eval_reports_every_metric(sampled_eval_of_memorised):
+    """4 samples per question on two ranks (the one-node eval of tests/e2e/test_multinode.py):
+    the report and its table have every metric, each equal to a count of the samples here."""
+    report, stdout = sampled_eval_of_memorised["eval"], sampled_eval_of_memorised["stdout"]
     table = report["report"]["tiny_arith"]
     assert set(table) == {"mean@4", "maj@4", "best@4", "pass@4", "num_questions"}
     assert table["num_questions"] == 6
     assert table["mean@4"] > 0.3  # the memorised questions
-    assert "tiny_arith" in result.stdout and "mean@4" in result.stdout
+    assert "tiny_arith" in stdout and "mean@4" in stdout
     # the report against an independent count of the eval's own samples: re-scored here, and
     # with k = n = 4 pass@4 is "any correct" and maj@4 the most frequent answer's correctness
     samples = report["samples"]
@@ -142,24 +138,21 @@ def test_eval_reports_every_metric(easy, tmp_path):
     assert table["best@4"] == pytest.approx(expected_best, abs=0.05)
 
 
-def test_eval_and_collect_run_on_the_jobs_own_rollout_server(easy, tmp_path):
+def test_eval_and_collect_run_on_the_jobs_own_rollout_server(easy, greedy_eval_of_memorised,
+                                                            tmp_path):
     """``rollout.placement=separate`` with a rollout rank: ``rlep eval`` and ``rlep collect``
     sample on a vLLM server the job starts (the HF checkpoint's tensors reach it in one weight
     update; it starts with dummy weights). Greedy decoding gives the colocated engine's answers
     token for token; the collected pool is the RLEP schema, from the checkpoint it names."""
     task, model = easy
 
-    def eval_args(out, *extra):
-        return ["eval", "--config", recipe("tiny_cpu_baseline.yaml"), f"model.hf_dir={model}",
-                f"eval.files=[{task['train']}]", f"eval.output_file={out}",
-                "eval.num_samples_per_prompt=1", "eval.temperature=0", "reward.num_workers=1",
-                "rollout.max_response_tokens=32", f"trainer.output_dir={out.parent}", *extra]
-
     separate = ("rollout.placement=separate", "rollout.num_ranks=1")
-    colocated_out, separate_out = tmp_path / "colocated" / "eval.json", tmp_path / "sep" / "eval.json"
-    run_rlep(eval_args(colocated_out))
-    run_rlep(eval_args(separate_out, *separate), nproc=2)
-    colocated, served = json.load(open(colocated_out)), json.load(open(separate_out))
+    separate_out = tmp_path / "sep" / "eval.json"
+    run_rlep(["eval", "--config", recipe("tiny_cpu_baseline.yaml"), f"model.hf_dir={model}",
+              f"eval.files=[{task['train']}]", f"eval.output_file={separate_out}", *GREEDY_EVAL,
+              f"trainer.output_dir={separate_out.parent}", *separate], nproc=2)
+    # the colocated engine's answers: the suite's one greedy eval of the memorised model
+    colocated, served = greedy_eval_of_memorised["eval"], json.load(open(separate_out))
     assert [q["responses"] for q in served["samples"]] == \
         [q["responses"] for q in colocated["samples"]]
     assert served["report"] == colocated["report"]

@@ -1,6 +1,6 @@
 """``rlep train`` with LoRA end to end: on 2 ranks at actor TP2 the run trains the adapter only
 (the rollout engine serves it as a vLLM LoRA on its own base and agrees with the actor on every
-token), is killed with SIGKILL and resumes exactly; its checkpoint's adapter exports to PEFT's
+token) and resumes exactly from a checkpoint; its checkpoint's adapter exports to PEFT's
 format, which peft loads, and merges into an HF checkpoint that transformers loads, both giving
 the same log-probs. The adapter mode on a rollout server, and against the merged mode."""
 import json
@@ -27,14 +27,17 @@ def task(tmp_path_factory):
     return small_task(str(tmp_path_factory.mktemp("task")))
 
 
-def test_a_lora_run_resumes_after_kill_and_exports_its_adapter(tiny_qwen2_dir, task, tmp_path):
+def test_a_lora_run_resumes_exactly_and_exports_its_adapter(tiny_qwen2_dir, task, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tests.torchrun import run_tool_in_process
 
+    # resumed from the step-2 checkpoint of the finished run (a SIGKILL and restart, generic,
+    # is tests/e2e/test_train.py's cp2 layout's, test_one_step_off.py's and
+    # test_separate_placement.py's)
     metrics = straight_equals_resumed(tiny_qwen2_dir, task, [*LORA, "rollout.lora_sync=adapter"],
-                                      tmp_path, steps=3, kill=True)
+                                      tmp_path, steps=3)
     for entry in metrics[1:]:
         # the engine samples with base + scale x B A as the actor computes it, also after
         # the resume (whose engine had no adapter until its first sync)

@@ -9,8 +9,9 @@ import pytest
 from rlep_megatron.data.schema import read_prompt_file
 from rlep_megatron.reward import compute_score
 from tests import requires
-from tests.e2e.helpers import (CONTRACT_KEYS, read_jsonl, recipe, reference_pool, run_rlep,
-                               small_task, train_overrides)
+from tests.e2e.helpers import (CONTRACT_KEYS, GREEDY_EVAL, read_jsonl, recipe, reference_pool,
+                               run_rlep, small_task, train_overrides)
+from tests.e2e.helpers import greedy_eval_of_memorised  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -79,22 +80,21 @@ def easy(tmp_path_factory, memorised):
 
 
 def eval_args(task, model, out, *extra):
+    """The greedy eval of greedy_eval_of_memorised, on ``extra``'s engine."""
     return ["eval", "--config", recipe("tiny_cpu_baseline.yaml"), f"model.hf_dir={model}",
-            f"eval.files=[{task['train']}]", f"eval.output_file={out}",
-            "eval.num_samples_per_prompt=1", "eval.temperature=0", "reward.num_workers=1",
-            "rollout.max_response_tokens=32", f"trainer.output_dir={out.parent}", *extra]
+            f"eval.files=[{task['train']}]", f"eval.output_file={out}", *GREEDY_EVAL,
+            f"trainer.output_dir={out.parent}", *extra]
 
 
 @pytest.mark.vllm
-def test_greedy_answers_equal_vllms(easy, tmp_path):
+def test_greedy_answers_equal_vllms(easy, greedy_eval_of_memorised, tmp_path):
     """Greedy decoding of the memorised model: the engine on two replicas writes vLLM's
-    answers, token for token in text."""
+    answers (the suite's one greedy vLLM eval of it), token for token in text."""
     requires("vllm")
     task, model = easy
-    ours, theirs = tmp_path / "megatron" / "eval.json", tmp_path / "vllm" / "eval.json"
+    ours = tmp_path / "megatron" / "eval.json"
     run_rlep(eval_args(task, model, ours, MEGATRON), nproc=2)
-    run_rlep(eval_args(task, model, theirs))
-    ours, theirs = json.load(open(ours)), json.load(open(theirs))
+    ours, theirs = json.load(open(ours)), greedy_eval_of_memorised["eval"]
     assert [q["responses"] for q in ours["samples"]] == [q["responses"] for q in theirs["samples"]]
     assert ours["report"] == theirs["report"]
     assert ours["report"]["tiny_arith"]["mean@1"] >= 5 / 6  # the memorised answers

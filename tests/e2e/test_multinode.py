@@ -13,7 +13,9 @@ import pytest
 
 from rlep_megatron.data.schema import read_prompt_file
 from tests import requires
-from tests.e2e.helpers import read_jsonl, recipe, run_rlep, small_task, train_overrides
+from tests.e2e.helpers import (SAMPLED_EVAL, read_jsonl, recipe, run_rlep, small_task,
+                               train_overrides)
+from tests.e2e.helpers import sampled_eval_of_memorised  # noqa: F401 (fixture)
 from tests.torchrun import REPO_ROOT, _env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -113,25 +115,24 @@ def test_two_hosts_train_like_one_node_of_two_ranks(two_hosts, tiny_qwen2_dir, t
         assert (tmp_path / "nodes" / "rollout_server_0.log").exists()
 
 
-def test_two_hosts_collect_and_evaluate_like_one_node(two_hosts, memorised, tmp_path):
+def test_two_hosts_collect_and_evaluate_like_one_node(two_hosts, memorised,
+                                                      sampled_eval_of_memorised, tmp_path):
     """``JOB=collect`` and ``JOB=eval`` through the same launcher on the two hosts (a model
     that answers its 6 questions, so the pool fills): the pool, with each answer's behaviour
     log-probs, and the evaluation's report equal those of the same jobs as two ranks on one
-    node."""
+    node (the eval's: the suite's shared one, of the same model and settings)."""
     task, model = memorised(tmp_path / "task", tmp_path / "model")
     common = [f"model.hf_dir={model}", "reward.num_workers=1", "rollout.max_response_tokens=32",
               "data.max_prompt_tokens=96"]
     collect = lambda out: [*common, f"data.train_files=[{task['train']}]",  # noqa: E731
                            f"collect.checkpoint={model}", f"collect.output_file={out}",
                            "collect.num_shards=2", "collect.num_samples_per_prompt=4"]
-    evaluate = lambda out: [*common, f"eval.files=[{task['train']}]",  # noqa: E731
-                            f"eval.output_file={out}", "eval.num_samples_per_prompt=4",
-                            f"trainer.output_dir={tmp_path}"]
-    for job, args in (("collect", collect), ("eval", evaluate)):
-        suffix = "parquet" if job == "collect" else "json"
-        on_two_hosts(two_hosts, job, args(tmp_path / f"{job}_nodes.{suffix}"))
-        run_rlep([job, "--config", recipe("tiny_cpu_baseline.yaml"),
-                  *args(tmp_path / f"{job}_one.{suffix}")], nproc=2)
+    on_two_hosts(two_hosts, "collect", collect(tmp_path / "collect_nodes.parquet"))
+    run_rlep(["collect", "--config", recipe("tiny_cpu_baseline.yaml"),
+              *collect(tmp_path / "collect_one.parquet")], nproc=2)
+    on_two_hosts(two_hosts, "eval", [f"model.hf_dir={model}", f"eval.files=[{task['train']}]",
+                                     f"eval.output_file={tmp_path / 'eval_nodes.json'}",
+                                     f"trainer.output_dir={tmp_path}", *SAMPLED_EVAL])
     nodes, one = (read_prompt_file(str(tmp_path / f"collect_{where}.parquet"), behaviour=True)
                   for where in ("nodes", "one"))
     assert len(nodes) >= 3 and nodes.messages == one.messages
@@ -139,6 +140,6 @@ def test_two_hosts_collect_and_evaluate_like_one_node(two_hosts, memorised, tmp_
     for a, b in zip(nodes.behaviour, one.behaviour):
         assert [e["token_ids"].tolist() for e in a] == [e["token_ids"].tolist() for e in b]
         assert [e["logprobs"].tolist() for e in a] == [e["logprobs"].tolist() for e in b]
-    nodes, one = (json.load(open(tmp_path / f"eval_{where}.json")) for where in ("nodes", "one"))
+    nodes, one = json.load(open(tmp_path / "eval_nodes.json")), sampled_eval_of_memorised["eval"]
     assert nodes["report"] == one["report"] and nodes["samples"] == one["samples"]
     assert nodes["report"]["tiny_arith"]["mean@4"] > 0.3
