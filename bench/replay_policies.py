@@ -17,15 +17,18 @@ by question difficulty. Prints one table per comparison and one of accuracy by d
 5. The diagnostics of why (per arm, each run's mean over its steps, then mean over seeds with a
    95% interval, and the paired difference to the baseline or, for replay-only figures, to
    ``rlep``): the share of trained sequences that are replays, the mean advantage replays and
-   fresh responses carry, the policy's entropy, and the clip fractions of replayed and fresh
-   tokens.
+   fresh responses carry, the fresh rollouts' accuracy on the training questions (those the
+   pool answers), the policy's entropy, and the clip fractions of replayed and fresh tokens.
 
 ``--hard``: the hard miniature (``rlep_megatron.demo.HARD_TASK``: the warm start's sampled
 answers are right about a fifth of the time; its pool from a baseline run twice as long as the
 arms, seed 1000; every arm trains on every question), in its own ``--out``, with finer bins ([0, .05), [.05, .1), [.1, .25),
 [.25, 1]) and the step-0 pass rates measured twice (two eval seeds: the bins come from the
 first, the second shows how much of a question's bin is sampling noise).
-``--warm-start-seed``: the demo's (another model, another directory).
+``--warm-start-seed``: the demo's (another model, another directory). ``--arms``: more demo arms
+beside the four, each compared with the baseline and with uniform replay (``rlep_equal``: the
+replays in mini-batches of G + M sequences, as many optimizer steps as the baseline: whether a
+gain comes from the replays or from the paper's extra optimizer steps).
 
 A finished step is not redone (the demo's runs, and every eval whose report exists).
 """
@@ -123,6 +126,10 @@ DIAGNOSTICS = (
      "rlep"),
     ("mean advantage of replays", lambda e: e.get("advantage/mean/replay"), "rlep"),
     ("mean advantage of fresh responses", lambda e: e.get("advantage/mean/fresh"), "baseline"),
+    # the questions the pool answers: where replay acts first, before any transfer to the
+    # validation questions
+    ("accuracy of fresh rollouts on the training questions",
+     lambda e: e.get("rollout/acc_mean"), "baseline"),
     ("entropy (nats per token)", lambda e: e.get("train/entropy"), "baseline"),
     ("clip fraction, replayed tokens", lambda e: e.get("train/pg_clipfrac/replay"), "rlep"),
     ("clip fraction, fresh tokens", lambda e: e.get("train/pg_clipfrac/fresh",
@@ -187,23 +194,28 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=16, help="eval samples per question")
     parser.add_argument("--hard", action="store_true", help="the hard miniature")
     parser.add_argument("--warm-start-seed", type=int, default=0)
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help="comma-separated demo arms; baseline, rlep, low_pass and rescue "
+                             "always run (e.g. add rlep_equal: the replays with as many "
+                             "optimizer steps as the baseline)")
     args = parser.parse_args()
+    arms = list(ARMS) + [a for a in args.arms.split(",") if a and a not in ARMS]
     from rlep_megatron.config import load_config
     from rlep_megatron.demo import (QUICK, examples_dir, paired_comparison, paired_table,
                                     read_curves, run_demo, summarise_arm)
 
     out = os.path.abspath(args.out)
     started = time.perf_counter()
-    summary = run_demo(out, seeds=args.seeds, arms=list(ARMS), hard=args.hard,
+    summary = run_demo(out, seeds=args.seeds, arms=arms, hard=args.hard,
                        warm_start_seed=args.warm_start_seed)
     edges = HARD_EDGES if args.hard else EDGES
     names = bin_names(edges)
     steps, seeds = QUICK["steps"], list(range(1, args.seeds + 1))
     k = summary["k"]
     curves = {arm: [read_curves(os.path.join(out, arm, f"seed_{s}", "metrics.jsonl"))
-                    for s in seeds] for arm in ARMS}
+                    for s in seeds] for arm in arms}
     uniform_best = summarise_arm(curves["rlep"], None)["best_mean_val"]
-    for arm in ("low_pass", "rescue"):
+    for arm in arms[2:]:
         paired = paired_comparison(curves["rlep"], curves[arm], uniform_best)
         print(f"\n{arm} against uniform replay (rlep), paired by seed:")
         print(paired_table(paired, k, label=f"RLEP {arm}", reference="RLEP uniform"))
@@ -224,7 +236,7 @@ def main() -> None:
     by_arm = {arm: [accuracy_by_bin(evaluate(
         out, os.path.join(out, arm, f"seed_{s}", "checkpoints", f"step_{steps:08d}"),
         os.path.join(out, arm, f"seed_{s}", "eval_final.json"), args.k), bins, len(names))
-        for s in seeds] for arm in ARMS}
+        for s in seeds] for arm in arms}
     print(f"\nvalidation accuracy at step {steps} by the question's pass rate at step 0 "
           f"(mean@{args.k}, points; in brackets: paired difference to the baseline, 95% "
           "interval):")
@@ -232,7 +244,7 @@ def main() -> None:
     fresh = load_config(os.path.join(examples_dir(), "tiny_cpu_rlep.yaml"),
                         []).rollout.num_samples_per_prompt
     diagnostics = {arm: [run_diagnostics(os.path.join(out, arm, f"seed_{s}", "metrics.jsonl"),
-                                         fresh) for s in seeds] for arm in ARMS}
+                                         fresh) for s in seeds] for arm in arms}
     print("\nwhy: per-run means over the training steps, mean over seeds [95% interval] (paired "
           "difference to the reference arm [95% interval]):")
     print(diagnostics_table(diagnostics))

@@ -16,8 +16,8 @@ Every subcommand takes ``--config FILE.yaml`` plus ``section.key=value`` overrid
 * ``rlep init RECIPE --model DIR --train F [--val F] [--nodes K --gpus-per-node N] [--pool P]``:
   a recipe for your own model and data from the shipped templates
   (:mod:`rlep_megatron.recipe_init`).
-* ``rlep demo [--out-dir D] [--long] [--seeds N] [--arms A,B] [--warm-start-seed S] [--jobs J]
-  [--prepare-only]``: the whole RLEP pipeline on the tiny default, baseline vs RLEP over
+* ``rlep demo [--out-dir D] [--long] [--hard] [--seeds N] [--arms A,B] [--warm-start-seed S]
+  [--jobs J] [--prepare-only]``: the whole RLEP pipeline on the tiny default, baseline vs RLEP over
   several seeds (J training runs at a time).
 
 ``init`` and ``plan`` size the job alike: ``--nodes`` x ``--gpus-per-node`` GPUs (1 x 1 by
@@ -196,9 +196,10 @@ def _cmd_init(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlep_megatron.demo import run_demo
 
-    run_demo(args.out_dir, long=args.long, nproc=args.nproc, seeds=args.seeds,
+    out_dir = args.out_dir or ("outputs/tiny_hard" if args.hard else "outputs/tiny")
+    run_demo(out_dir, long=args.long, nproc=args.nproc, seeds=args.seeds,
              overrides=args.overrides, warm_start_seed=args.warm_start_seed,
-             prepare_only=args.prepare_only, jobs=args.jobs,
+             prepare_only=args.prepare_only, jobs=args.jobs, hard=args.hard,
              arms=[a for a in args.arms.split(",") if a] if args.arms else None)
     return 0
 
@@ -218,11 +219,17 @@ EXAMPLES = """examples:
 
 def _add_demo_parser(sub) -> None:
     p_demo = sub.add_parser("demo", help="the whole RLEP pipeline on the tiny default (CPU)")
-    p_demo.add_argument("--out-dir", default="outputs/tiny", help="work directory")
+    p_demo.add_argument("--out-dir", default=None,
+                        help="work directory (default outputs/tiny, with --hard "
+                             "outputs/tiny_hard)")
     p_demo.add_argument("--long", action="store_true",
                         help="a longer budget (more steps and seeds) than the quick default")
     p_demo.add_argument("--seeds", type=int, default=None,
                         help="training seeds per arm (default: 4 quick, 8 with --long)")
+    p_demo.add_argument("--hard", action="store_true",
+                        help="the hard miniature: a warm start that seldom samples the right "
+                             "answer, its pool from a baseline run twice as long as the arms "
+                             "(docs/demo.md)")
     p_demo.add_argument("--warm-start-seed", type=int, default=0,
                         help="seed of the tiny model's initial weights and warm start (the "
                              "task stays the same); another seed needs another --out-dir")

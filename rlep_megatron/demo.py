@@ -296,7 +296,8 @@ def paired_comparison(base_runs: list[dict], rlep_runs: list[dict],
                       baseline_best_mean: float) -> dict:
     """Per seed (same seed in both arms) and paired: best, final, area under the validation
     curve, steps to the peak of the baseline's mean curve (``baseline_best_mean``) and to the
-    fixed level. A seed where an arm
+    fixed level, and the fresh rollouts' accuracy on the training questions (mean over the
+    training steps: the questions the pool answers). A seed where an arm
     never reaches a level counts as the run's length + its validation interval for that arm
     (a lower bound on how long it would take), and is flagged."""
     per_seed = []
@@ -315,10 +316,14 @@ def paired_comparison(base_runs: list[dict], rlep_runs: list[dict],
                 reach[f"{label}_reached"] = step is not None
             row[name] = {"best": max(val.values()), "final": val[steps[-1]],
                          "auc": area_under_curve(val), **reach}
+            if run.get("train"):  # the fresh rollouts' accuracy, mean over training steps
+                row[name]["train"] = statistics.fmean(run["train"].values())
         per_seed.append(row)
+    keys = ["best", "final", "auc", "to_best", "to_fixed"]
+    if all("train" in r[arm] for r in per_seed for arm in ("baseline", "rlep")):
+        keys.append("train")
     differences = {key: paired_difference([r["rlep"][key] - r["baseline"][key]
-                                           for r in per_seed])
-                   for key in ("best", "final", "auc", "to_best", "to_fixed")}
+                                           for r in per_seed]) for key in keys}
     return {"per_seed": per_seed, "differences": differences, "fixed_gain": FIXED_GAIN}
 
 
@@ -356,6 +361,9 @@ def paired_table(paired: dict, k: int, label: str = "RLEP", reference: str = "ba
             ("area under the validation curve (points)", interval(d["auc"], 100, "")),
             (f"steps to the peak of the {reference}'s mean curve", steps("to_best")),
             (f"steps to step 0 + {100 * paired['fixed_gain']:.0f} points", steps("to_fixed"))]
+    if "train" in d:
+        rows.append(("fresh accuracy on the training questions, mean over steps (points)",
+                     interval(d["train"], 100, "")))
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     unreached = sum(not r[arm][f"{label}_reached"] for r in paired["per_seed"]

@@ -172,8 +172,12 @@ def test_paired_differences_area_and_verdict_worked_by_hand():
     assert [r["rlep"]["to_fixed"] for r in paired["per_seed"]] == [4, 4]
     sentence = verdict(paired)
     assert "3.0 points above" in sentence and "includes 0" in sentence
+    # fresh training accuracy, mean over steps: 0.45 - 0.35 and 0.65 - 0.55, +10 points each
+    assert paired["differences"]["train"]["values"] == pytest.approx([0.1, 0.1])
     table = paired_table(paired, 8)
     assert "best validation mean@8 (points)" in table and "never reached" in table
+    assert "fresh accuracy on the training questions, mean over steps (points)  +10.0 [+10.0, " \
+           "+10.0]" in table
     # an interval that excludes 0
     runs = [run({0: 0.3, 4: 0.5}, {1: 0.1}), run({0: 0.3, 4: 0.52}, {1: 0.1}),
             run({0: 0.3, 4: 0.51}, {1: 0.1})]
@@ -320,8 +324,9 @@ def test_replay_policy_bench_hard_bins_and_diagnostics_worked_by_hand(tmp_path):
     # 16 groups of 8 fresh responses; 4 and 12 replays: shares 4/132 and 12/140
     rlep = [{"train/entropy": 0.5, "rollout/num_groups": 16, "replay/num_sequences": n,
              "advantage/mean/replay": a, "advantage/mean/fresh": -0.1,
-             "train/pg_clipfrac/replay": 0.2, "train/pg_clipfrac/fresh": 0.01}
-            for n, a in ((4, 1.0), (12, 0.5))]
+             "train/pg_clipfrac/replay": 0.2, "train/pg_clipfrac/fresh": 0.01,
+             "rollout/acc_mean": acc}
+            for n, a, acc in ((4, 1.0, 0.25), (12, 0.5, 0.5))]
     base = [{"train/entropy": 0.7, "rollout/num_groups": 16, "replay/num_sequences": 0,
              "advantage/mean/fresh": 0.0, "train/pg_clipfrac": 0.02}] * 2
     write(tmp_path / "rlep.jsonl", rlep + [{"val/tiny_arith/mean@8": 0.5}])
@@ -333,6 +338,9 @@ def test_replay_policy_bench_hard_bins_and_diagnostics_worked_by_hand(tmp_path):
     assert r["clip fraction, fresh tokens"] == 0.01
     assert b["clip fraction, fresh tokens"] == 0.02  # a run without replays: the whole clip
     assert "mean advantage of replays" not in b
+    # fresh accuracy on the training questions: a mean over steps (absent in the base runs)
+    assert r["accuracy of fresh rollouts on the training questions"] == 0.375
+    assert "accuracy of fresh rollouts on the training questions" not in b
     table = bench.diagnostics_table({"baseline": [b, b], "rlep": [r, r]})
     row = next(line for line in table.splitlines() if line.startswith("| entropy"))
     # the same values on both seeds: intervals of width 0; rlep - baseline = -0.2
