@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from rlep_megatron import distributed
 from rlep_megatron.rollout.megatron.sampling import generator, sample
 from rlep_megatron.rollout.requests import (merge_gathered, replica_share, request_seed,
                                             sampling_settings)
@@ -75,8 +76,6 @@ class MegatronEngine:
                  max_model_len: int, batch_size: int, prefill_tokens: int = 8192):
         from megatron.core import parallel_state as ps
         from transformers import AutoTokenizer
-
-        from rlep_megatron import distributed
 
         if len(chunks) != 1:
             raise ValueError("rollout.backend=megatron decodes through one model chunk; this "
@@ -260,8 +259,6 @@ class MegatronEngine:
         (every rank computes them from the same gathered logits; this makes the group's stop
         decisions, and so its batches, the same by construction)."""
         if self.tp_size > 1:
-            from rlep_megatron import distributed
-
             both = torch.stack([drawn.to(torch.float64), logp.to(torch.float64)])
             distributed.broadcast(both, src=self.tp_src, group=self.tp_group)
             drawn, logp = both[0].to(torch.long), both[1]
@@ -280,8 +277,6 @@ class MegatronEngine:
         group sends its replica's)."""
         if self.dp_size == 1:
             return local
-        from rlep_megatron import distributed
-
         sender = self.tp_rank == 0
         return merge_gathered(distributed.all_gather_object(local if sender else None,
                                                             group=self.gather_group),
