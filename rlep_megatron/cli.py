@@ -240,7 +240,8 @@ def _add_demo_parser(sub) -> None:
                              "as the baseline), online (online experience replay), "
                              "one_step_off (the baseline with trainer.max_staleness=1), "
                              "separate (the same with a vLLM server of its own, one more "
-                             "process), low_pass and rescue (rlep with that replay.policy), "
+                             "process), low_pass, rescue and unlikely (rlep with that "
+                             "replay.policy), "
                              "gspo, cispo and dr_grpo (the baseline with that loss)")
     p_demo.add_argument("--prepare-only", action="store_true",
                         help="build the task and the warm-started model, then stop (for "

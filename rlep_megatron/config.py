@@ -336,13 +336,19 @@ class ReplayConfig:
     """Online modes: a group gets its replays with probability 1 - (its question's pass rate
     at its previous rollout), so replay goes to the questions the policy still fails (a
     question not rolled out before always gets them)."""
-    policy: Literal["uniform", "low_pass", "rescue"] = "uniform"
+    policy: Literal["uniform", "low_pass", "rescue", "unlikely"] = "uniform"
     """Which groups get replays (docs/ALGORITHM.md, replay policies). ``uniform`` (the paper):
     every group whose question has pool answers. ``low_pass``: a group gets them with
     probability 1 - p, p its question's tracked pass rate (``replay.pass_rate_ema``; a question
     not rolled out before always gets them), in every replay mode. ``rescue``: only the groups
     whose fresh responses all failed (with ``algo.dynamic_sampling`` such a group is kept
-    instead of dropped when the pool has an answer)."""
+    instead of dropped when the pool has an answer). ``unlikely``: every group with a pool, as
+    ``uniform``, with the M of its pool answers the current policy finds least likely (the
+    lowest mean log-prob per token) among ``replay.unlikely_candidates`` drawn uniformly: one
+    more forward pass of the actor per generation round, over those candidates."""
+    unlikely_candidates: int = 8
+    """``replay.policy=unlikely``: how many of a question's pool answers the policy scores
+    per group (drawn uniformly when it has more; 0: all of them). At least M."""
     pass_rate_ema: float = 0.5
     """The per-question pass-rate tracker behind ``replay.policy=low_pass`` and the
     ``replay/pass_rate_hist`` metrics: the weight of the newest step's pass rate in its moving
@@ -388,6 +394,14 @@ class ReplayConfig:
                              f"weighting; it cannot combine with replay.policy={self.policy} "
                              "(replay.policy=low_pass generalises it to every replay mode): "
                              "set one of them")
+        if self.unlikely_candidates < 0:
+            raise ValueError(f"replay.unlikely_candidates must be >= 0 (0: all), got "
+                             f"{self.unlikely_candidates}")
+        if (self.policy == "unlikely"
+                and 0 < self.unlikely_candidates < self.num_replays_per_prompt):
+            raise ValueError(f"replay.unlikely_candidates={self.unlikely_candidates} leaves "
+                             f"fewer candidates than the M={self.num_replays_per_prompt} "
+                             "replays chosen among them; set it to at least M, or 0 for all")
         if self.clip_ratio_high is not None and self.clip_ratio_high < 0:
             raise ValueError(f"replay.clip_ratio_high must be >= 0 or null, got "
                              f"{self.clip_ratio_high}")

@@ -13,8 +13,9 @@
    many optimizer steps as the baseline), ``online`` (online experience replay from an
    empty pool), ``one_step_off`` (the baseline with ``trainer.max_staleness=1``: one step
    off against synchronous, docs/ASYNC.md), ``separate`` (the same with generation on a
-   vLLM server of its own, one more process: ``rollout.placement=separate``), ``low_pass``
-   and ``rescue`` (``rlep`` with that replay policy, docs/ALGORITHM.md section 11);
+   vLLM server of its own, one more process: ``rollout.placement=separate``), ``low_pass``,
+   ``rescue`` and ``unlikely`` (``rlep`` with that replay policy, docs/ALGORITHM.md section
+   11);
 5. report every arm across seeds: validation mean@k and training accuracy curves as mean and
    spread (min..max over seeds), best and final validation accuracy with their spread, the
    optimizer steps per training step, the steps each arm needs to reach the baseline's best
@@ -74,7 +75,8 @@ QUICK = {"seeds": 4, "steps": 30}
 LONG = {"seeds": 8, "steps": 60}
 VALIDATION_EVERY = 2
 DEFAULT_ARMS = ("baseline", "rlep")
-POOLED_ARMS = ("rlep", "rlep_equal", "low_pass", "rescue")  # the arms that replay the pool
+# the arms that replay the pool
+POOLED_ARMS = ("rlep", "rlep_equal", "low_pass", "rescue", "unlikely")
 
 
 def examples_dir() -> str:
@@ -378,6 +380,7 @@ ARM_LABELS = {"baseline": "baseline", "rlep": "RLEP", "rlep_equal": "RLEP equal-
               "online": "online replay", "one_step_off": "baseline one step off",
               "separate": "baseline one step off, separate rollout",
               "low_pass": "RLEP low_pass", "rescue": "RLEP rescue",
+              "unlikely": "RLEP unlikely",
               "gspo": "baseline with GSPO", "cispo": "baseline with CISPO",
               "dr_grpo": "baseline with Dr. GRPO", "lora": "baseline with LoRA"}
 # the variant arms: the baseline with another algo.loss / algo.advantage (docs/ALGORITHM.md
@@ -698,8 +701,8 @@ def arm_settings(arm: str, recipes: str, pool: str,
     (``trainer.max_staleness=1``, with the rollout correction it is meant to run with), so its
     paired differences to the baseline are one step off against synchronous; ``separate``:
     the same with generation on a vLLM server of its own (``rollout.placement=separate``, one
-    more process), overlapping training; ``low_pass`` and ``rescue``: ``rlep`` with that
-    ``replay.policy``; ``gspo``, ``cispo``, ``dr_grpo``: the baseline with that loss, ``lora``
+    more process), overlapping training; ``low_pass``, ``rescue`` and ``unlikely``: ``rlep``
+    with that ``replay.policy``; ``gspo``, ``cispo``, ``dr_grpo``: the baseline with that loss, ``lora``
     with LoRA adapters (:data:`VARIANT_ARMS`)."""
     if arm == "baseline":
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), []
@@ -714,7 +717,7 @@ def arm_settings(arm: str, recipes: str, pool: str,
     if arm == "online":  # no offline pool: the run's own verified answers, as they appear
         return recipe, ["replay.pool_files=[]", "replay.mode=online"]
     extra = [f"replay.pool_files=[{pool}]"]
-    if arm in ("low_pass", "rescue"):
+    if arm in ("low_pass", "rescue", "unlikely"):
         extra.append(f"replay.policy={arm}")
     if arm == "rlep_equal":
         from rlep_megatron.config import load_config

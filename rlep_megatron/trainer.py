@@ -150,6 +150,7 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.engine, self.ends_at_checkpoint)
         self.rollout = RolloutSide(cfg, self.scheduler, tokenizer, self.engine.eos_token_id,
                                    train_rows, pool)
+        self.rollout.likelihood = self.learner.response_logprob_sums  # replay.policy=unlikely
         self.metrics = None
         if distributed.is_rank0():
             self.metrics = self._open_metrics()

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from rlep_megatron import distributed, platform
-from rlep_megatron.actor.old_logprob import (mini_batch_plan, old_logprob_pass, train_batch)
+from rlep_megatron.actor.old_logprob import (mini_batch_plan, old_logprob_pass, train_batch,
+                                             training_rows)
 
 if TYPE_CHECKING:  # the rollout side's batch (rollout imports actor, not the other way)
     from rlep_megatron.data.batch import StepBatch
@@ -188,6 +189,25 @@ class LearningSide:
             train = self.train(train_batches, version)
         self.offload_train_state_now()
         return train, old_metrics
+
+    def response_logprob_sums(self, prompts: list[list[int]], responses: list[list[int]]
+                              ) -> list[tuple[float, int]]:
+        """Per (prompt, response) pair: the sum of the actor's log-probs of the response's
+        tokens (at the rollout temperature, the EOS included) and their count, on every rank:
+        what ``replay.policy=unlikely`` ranks pool answers by. A collective: every rank passes
+        the same pairs, and each data-parallel replica computes all of them."""
+        from rlep_megatron.actor.forward import actor_logprobs
+
+        ids, mask = training_rows(prompts, responses, self.pad_id)
+        lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
+        budget = self.cfg.trainer.micro_batch_max_tokens
+        logp = actor_logprobs(self.chunks, self.info, ids, max(1, budget // ids.shape[1]),
+                              self.cfg.rollout.temperature, everywhere=True, lengths=lengths,
+                              pack_max_tokens=budget if self.cfg.trainer.sequence_packing
+                              else None)
+        sums = (logp.double() * mask.double()).sum(dim=1)
+        return [(float(total), int(count)) for total, count in zip(sums.tolist(),
+                                                                   mask.sum(dim=1).tolist())]
 
     def old_logprob(self, batch: StepBatch, plan: list[list[int]], version: int):
         """Old (and reference) log-probs of every mini-batch, and the step's metrics of the

@@ -8,6 +8,10 @@
 - ``rescue``: only a group whose fresh responses all failed gets them: the one group that
   carries no signal without them. With ``algo.dynamic_sampling`` such a group is then kept (its
   replays vary its rewards) instead of dropped.
+- ``unlikely``: every group with a pool gets them, as with ``uniform``, but which of its pool
+  answers is the policy's choice: up to ``replay.unlikely_candidates`` of them (drawn
+  uniformly) are scored by the current policy, and the M it finds least likely (the lowest
+  mean log-prob per token) are replayed: the verified answers it has learned least.
 
 The decision of one group (:meth:`ReplayPolicy.keep_prob`) is a probability: 1 draws as the
 paper does, 0 draws nothing (and takes no random number), in between the replay sampler draws
@@ -15,9 +19,9 @@ one uniform number against it first.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-POLICIES = ("uniform", "low_pass", "rescue")
+POLICIES = ("uniform", "low_pass", "rescue", "unlikely")
 
 # the pass-rate bins of the replay metrics (docs/metrics.md): [0, .25), [.25, .5), [.5, .75),
 # [.75, 1], and the questions not rolled out yet
@@ -92,6 +96,9 @@ class ReplayPolicy:
     name = "uniform"
     needs_fresh_rewards = False
     """True: the decision reads the group's fresh rewards, so they are scored first."""
+    scores_candidates = False
+    """True: the policy picks among a group's pool answers by the current policy's log-probs
+    of them (:meth:`choose`); otherwise the replay sampler draws them uniformly."""
 
     def keep_prob(self, pass_rate: Optional[float], fresh_correct: Sequence[bool]) -> float:
         return 1.0
@@ -116,8 +123,64 @@ class RescuePolicy(ReplayPolicy):
         return 1.0 if fresh_correct and not any(fresh_correct) else 0.0
 
 
+class UnlikelyPolicy(ReplayPolicy):
+    """``unlikely``: every group with a pool, its M candidates of lowest likelihood."""
+
+    name = "unlikely"
+    scores_candidates = True
+
+    @staticmethod
+    def choose(logprob_means: Sequence[float], m: int) -> list[int]:
+        """Positions of the ``m`` lowest of ``logprob_means`` (each candidate's mean log-prob
+        per token under the current policy), lowest first; equal values keep the candidates'
+        order (the sampler's draw)."""
+        order = sorted(range(len(logprob_means)), key=lambda i: (logprob_means[i], i))
+        return order[:m]
+
+    def pick(self, sampler, groups: Sequence[tuple], tokenize: Callable, likelihood: Callable,
+             num_candidates: int) -> tuple[list[list[int]], list, list]:
+        """Per group (``(messages, prompt token ids)``), the indices into its question's pool
+        answers to replay: up to ``num_candidates`` drawn by ``sampler``
+        (:meth:`~rlep_megatron.replay.pool.ReplaySampler.draw_candidates`), tokenised by
+        ``tokenize`` (texts -> token id lists), scored in one call of ``likelihood``
+        (prompts, responses -> per pair ``(sum of log-probs, tokens)``), its M lowest
+        (:meth:`choose`). Also returns the ``(sum, tokens)`` of every scored candidate and of
+        the chosen ones."""
+        candidates, prompts, responses = [], [], []
+        for messages, prompt in groups:
+            indices = sampler.draw_candidates(messages, num_candidates)
+            answers = sampler.pool.get(messages)
+            tokens = tokenize([answers[i] for i in indices]) if indices else []
+            candidates.append(indices)
+            prompts += [prompt] * len(tokens)
+            responses += tokens
+        sums = likelihood(prompts, responses) if responses else []
+        chosen, scored, picked, at = [], [], [], 0
+        for indices in candidates:
+            scores = sums[at:at + len(indices)]
+            at += len(indices)
+            best = self.choose([total / max(count, 1) for total, count in scores],
+                               sampler.num_replays_per_prompt)
+            chosen.append([indices[p] for p in best])
+            scored += scores
+            picked += [scores[p] for p in best]
+        return chosen, scored, picked
+
+
+def likelihood_metrics(scored: Sequence[tuple], picked: Sequence[tuple]) -> dict[str, float]:
+    """``replay/candidate_logprob_mean`` and ``replay/chosen_logprob_mean``: per token, over
+    the ``(sum of log-probs, tokens)`` of the step's scored candidates and of those chosen."""
+    out = {}
+    for name, scores in (("candidate", scored), ("chosen", picked)):
+        tokens = sum(count for _, count in scores)
+        out[f"replay/{name}_logprob_mean"] = (sum(total for total, _ in scores) / tokens
+                                              if tokens else 0.0)
+    return out
+
+
 def make_replay_policy(name: str) -> ReplayPolicy:
-    policies = {cls.name: cls for cls in (ReplayPolicy, LowPassPolicy, RescuePolicy)}
+    policies = {cls.name: cls
+                for cls in (ReplayPolicy, LowPassPolicy, RescuePolicy, UnlikelyPolicy)}
     if name not in policies:
         raise ValueError(f"replay.policy must be one of {', '.join(POLICIES)}, got {name!r}")
     return policies[name]()

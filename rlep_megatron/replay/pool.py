@@ -222,6 +222,17 @@ class ReplaySampler:
             return list(range(n))
         return [int(i) for i in self._rng.choice(n, size=m, replace=False)]
 
+    def draw_candidates(self, messages: Sequence[dict], k: int) -> list[int]:
+        """Up to ``k`` indices into the question's pool answers for a policy to choose among
+        (``replay.policy=unlikely``): all of them, in stored order, when the pool has <= ``k``
+        (or ``k`` is 0), else ``k`` drawn uniformly without replacement."""
+        n = len(self.pool.get(messages))
+        if self.num_replays_per_prompt == 0 or n == 0:
+            return []
+        if k == 0 or n <= k:
+            return list(range(n))
+        return [int(i) for i in self._rng.choice(n, size=k, replace=False)]
+
     def draw(self, messages: Sequence[dict]) -> list[str]:
         answers = self.pool.get(messages)
         return [answers[i] for i in self.draw_indices(messages)]

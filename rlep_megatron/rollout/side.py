@@ -26,6 +26,7 @@ import numpy as np
 
 from rlep_megatron import distributed
 from rlep_megatron.data.batch import FRESH, REPLAY, Sample, StepBatch
+from rlep_megatron.replay.policy import likelihood_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,11 @@ class RolloutSide:
         self.add_replays = self._replays if self.replay_sampler else (lambda batch, step: None)
         self._candidates: list = []  # online replay: the step's groups, admitted after it
         self.admitted = 0  # online replay: answers admitted by the latest step
+        # replay.policy=unlikely: (prompts, responses) -> per pair, the current policy's sum of
+        # log-probs over the response's tokens and their count (the trainer sets it; a
+        # collective); and the step's (sum, tokens) of every scored and every chosen candidate
+        self.likelihood = None
+        self._scored: tuple[list, list] = ([], [])
 
     # ------------------------------------------------------------------ the step
 
@@ -155,6 +161,7 @@ class RolloutSide:
         learns from."""
         if self.record is not None:
             self.record.start_step()
+        self._scored = ([], [])
         batch = self._make_batch(timer, step)
         self._count_replays(batch)
         self.admitted = self._admit_online(step)
@@ -256,6 +263,7 @@ class RolloutSide:
         online, weighted = self.online_pool, self.cfg.replay.online_low_pass_weight
         policy, pass_rates = self.replay_policy, self.pass_rates
         fresh = fresh_correct_by_group(batch) if policy.needs_fresh_rewards else None
+        chosen = self._least_likely(batch) if policy.scores_candidates else None
         for group, row in enumerate(batch.rows):
             messages = self.train_rows.messages[row]
             key = self.train_rows.prompt_key(row)
@@ -265,8 +273,11 @@ class RolloutSide:
                 keep = 1.0 - online.pass_rate.get(key, 0.0)
             # keep 0 draws no random number, except in the online weighting, which always
             # did (it goes with uniform only: the config refuses it with another policy)
-            indices = (self.replay_sampler.draw_indices(messages, keep_prob=keep)
-                       if keep > 0.0 or weighted else [])
+            if chosen is not None:
+                indices = chosen[group]
+            else:
+                indices = (self.replay_sampler.draw_indices(messages, keep_prob=keep)
+                           if keep > 0.0 or weighted else [])
             answers = self.replay_sampler.pool.get(messages)
             if answers:
                 self.record.decided(rate, bool(indices))
@@ -282,6 +293,25 @@ class RolloutSide:
         for seq in batch.sequences + replays:
             by_group.setdefault(seq.group, []).append(seq)
         batch.sequences = [s for g in range(len(batch.rows)) for s in by_group.get(g, [])]
+
+    def _least_likely(self, batch: StepBatch) -> list[list[int]]:
+        """``replay.policy=unlikely``: per group, the pool answers it replays (``pick``: one
+        forward pass of the actor, a collective; every rank holds the batch)."""
+        from rlep_megatron.replay.pool import tokenize_replays
+
+        if self.likelihood is None:
+            raise RuntimeError("replay.policy=unlikely scores pool answers with the actor, but "
+                               "the rollout side was given no likelihood function")
+        cfg = self.cfg
+        chosen, scored, picked = self.replay_policy.pick(
+            self.replay_sampler, [(self.train_rows.messages[row], batch.prompts[group])
+                                  for group, row in enumerate(batch.rows)],
+            lambda texts: [item.token_ids for item in tokenize_replays(
+                texts, self.tokenizer, cfg.rollout.max_response_tokens, self.eos_token_id)],
+            self.likelihood, cfg.replay.unlikely_candidates)
+        self._scored[0].extend(scored)
+        self._scored[1].extend(picked)
+        return chosen
 
     def _behaviour(self, messages, index: int, item) -> Optional[list[float]]:
         """The pool's behaviour log-probs of a replayed answer, where the pool has them for
@@ -341,35 +371,17 @@ class RolloutSide:
 
     def metrics(self, batch: StepBatch, step: int) -> dict[str, float]:
         """The step's rollout and replay metrics (every rank holds the whole batch)."""
+        m = batch_metrics(batch)
         fresh = [s for s in batch.sequences if s.source == FRESH]
         replay = [s for s in batch.sequences if s.source == REPLAY]
-        with_pool = {s.group for s in replay}
-        in_pool_groups = [s for s in batch.sequences if s.group in with_pool]
-        m = {
-            "rollout/reward_mean": _mean(s.reward for s in fresh),
-            "rollout/score_mean": _mean(s.score for s in fresh),
-            "rollout/acc_mean": _mean(s.acc for s in fresh),
-            "rollout/response_len_mean": _mean(len(s.token_ids) for s in fresh),
-            "rollout/response_len_max": float(max((len(s.token_ids) for s in fresh), default=0)),
-            "rollout/truncated_frac": _mean(s.finish_reason == "length" for s in fresh),
-            "rollout/generation_rounds": float(batch.generation_rounds),
-            "rollout/num_groups": float(len(batch.rows)),
-            "replay/fraction": (len(replay) / len(in_pool_groups)) if in_pool_groups else 0.0,
-            "replay/num_sequences": float(len(replay)),
-            "replay/groups_with_pool": float(len(with_pool)),
-            "replay/reward_mean": _mean(s.reward for s in replay),
-            "replay/acc_mean": _mean(s.acc for s in replay),
-            "replay/response_len_mean": _mean(len(s.token_ids) for s in replay),
-            "advantage/mean/fresh": _mean(s.advantage for s in fresh),
-            "advantage/mean/replay": _mean(s.advantage for s in replay),
-            "replay/behaviour_frac": _mean(s.engine_logprobs is not None for s in replay),
-        }
         m.update(staleness_metrics(fresh, step, self.cfg.trainer.max_staleness))
         if self.replay_sampler is not None:
             m.update({f"replay/{k}": v
                       for k, v in self.replay_sampler.replay_counts_summary().items()})
             m["replay/pool_questions"] = float(len(self.pool))
             m["replay/pool_answers"] = float(sum(map(len, self.pool.answers.values())))
+        if self.replay_policy.scores_candidates:
+            m.update(likelihood_metrics(*self._scored))
         if self.pass_rates is not None:
             m.update(self.record.metrics(fresh_correct_by_group(batch),
                                          {s.group for s in replay}))
@@ -404,6 +416,34 @@ class RolloutSide:
 
     def close(self) -> None:
         self.scorer.close()
+
+
+def batch_metrics(batch: StepBatch) -> dict[str, float]:
+    """The step's fresh responses' and replays' statistics (``rollout/``, ``replay/``,
+    ``advantage/``)."""
+    fresh = [s for s in batch.sequences if s.source == FRESH]
+    replay = [s for s in batch.sequences if s.source == REPLAY]
+    with_pool = {s.group for s in replay}
+    in_pool_groups = [s for s in batch.sequences if s.group in with_pool]
+    return {
+        "rollout/reward_mean": _mean(s.reward for s in fresh),
+        "rollout/score_mean": _mean(s.score for s in fresh),
+        "rollout/acc_mean": _mean(s.acc for s in fresh),
+        "rollout/response_len_mean": _mean(len(s.token_ids) for s in fresh),
+        "rollout/response_len_max": float(max((len(s.token_ids) for s in fresh), default=0)),
+        "rollout/truncated_frac": _mean(s.finish_reason == "length" for s in fresh),
+        "rollout/generation_rounds": float(batch.generation_rounds),
+        "rollout/num_groups": float(len(batch.rows)),
+        "replay/fraction": (len(replay) / len(in_pool_groups)) if in_pool_groups else 0.0,
+        "replay/num_sequences": float(len(replay)),
+        "replay/groups_with_pool": float(len(with_pool)),
+        "replay/reward_mean": _mean(s.reward for s in replay),
+        "replay/acc_mean": _mean(s.acc for s in replay),
+        "replay/response_len_mean": _mean(len(s.token_ids) for s in replay),
+        "advantage/mean/fresh": _mean(s.advantage for s in fresh),
+        "advantage/mean/replay": _mean(s.advantage for s in replay),
+        "replay/behaviour_frac": _mean(s.engine_logprobs is not None for s in replay),
+    }
 
 
 def staleness_metrics(fresh: list[Sample], step: int, max_staleness: int

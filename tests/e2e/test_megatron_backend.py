@@ -25,18 +25,27 @@ def task(tmp_path_factory):
 
 
 def test_train_at_tp2_with_replays_then_eval_its_checkpoint(tiny_qwen2_dir, task, tmp_path):
+    """Also ``replay.policy=unlikely`` (M = 1 of each question's 2 pool answers, the one the
+    actor finds least likely): its scoring pass over the candidates, at TP 2, gives the chosen
+    replays the log-probs the old-log-prob pass gives them (the same weights)."""
     pool = reference_pool(task, str(tmp_path / "pool.parquet"))
     out = tmp_path / "run"
     run_rlep(["train", "--config", recipe("tiny_cpu_rlep.yaml"),
               *train_overrides(tiny_qwen2_dir, task, str(out), steps=3),
-              f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
-              "parallel.tensor_model_parallel_size=2", MEGATRON], nproc=2)
+              f"replay.pool_files=[{pool}]", "replay.num_replays_per_prompt=1",
+              "replay.policy=unlikely", "parallel.tensor_model_parallel_size=2", MEGATRON],
+             nproc=2)
     entries = read_jsonl(out / "metrics.jsonl")
     assert [e["step"] for e in entries] == [0, 1, 2, 3]
     for entry in entries[1:]:
         for key in CONTRACT_KEYS:
             assert math.isfinite(entry[key]), (key, entry.get(key))
-        assert entry["replay/fraction"] == pytest.approx(M / (G + M), abs=1e-12)
+        assert entry["replay/fraction"] == pytest.approx(1 / (G + 1), abs=1e-12)
+        # per token over the chosen replays, as the old-log-prob pass saw them; below the mean
+        # over both candidates of each question
+        assert entry["replay/chosen_logprob_mean"] == pytest.approx(
+            -entry["train/old_nll_mean/replay"], abs=1e-5)
+        assert entry["replay/chosen_logprob_mean"] < entry["replay/candidate_logprob_mean"]
         # the engine's log-prob of each fresh token is the actor's (fp32, the same weights:
         # its own, at TP 2), and nothing is streamed to it
         assert entry["rollout/logprob_abs_diff"] <= 1e-4

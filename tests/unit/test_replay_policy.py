@@ -94,6 +94,7 @@ def make_side(policy, pools, rounds, overrides=(), M=2):
     side.record = ReplayRecord(side.pass_rates)
     side._candidates = []
     side.admitted = 0
+    side.likelihood, side._scored = None, ([], [])
     side.prompt_ids = lambda rows, row: [5, row]
     side._make_batch = (side._dynamic_batch if cfg.algo.dynamic_sampling
                         else side._plain_batch)
@@ -288,6 +289,66 @@ def test_rescue_keeps_all_failed_groups_under_dynamic_sampling_where_plain_runs_
     assert [len([s for s in batch.sequences if s.group == g]) for g in (0, 1, 2)] == [5, 5, 5]
 
 
+def fake_likelihood(calls):
+    """A stand-in for the actor: per (prompt, response), in float64, the sum over the
+    response's tokens of -(token id mod 7) / 10 and their count; the calls are kept."""
+    def likelihood(prompts, responses):
+        calls.append((list(prompts), [list(r) for r in responses]))
+        return [(float(sum(-(t % 7) / 10 for t in r)), len(r)) for r in responses]
+    return likelihood
+
+
+def test_unlikely_replays_the_candidates_the_policy_finds_least_likely():
+    """``unlikely``: per group with a pool, ``replay.unlikely_candidates`` = 3 of its 5 answers
+    drawn from the replay sampler's stream (re-made here from its seed), all scored in one call,
+    and the M = 2 of lowest mean log-prob per token replayed, re-derived in float64 from the
+    answers' tokens (EOS appended); the group without a pool draws and scores nothing. The
+    metrics are per token over the scored and the chosen candidates."""
+    pools = {q: [f"({c}) " + right(q) + " " + "xyz!?"[:i] for i, c in enumerate("abcde")]
+             for q in range(3)}
+    side, messages = make_side("unlikely", pools, [ROUND], ["replay.unlikely_candidates=3"])
+    calls = []
+    side.likelihood = fake_likelihood(calls)
+    rng = np.random.default_rng([SEED, 0x5E1A7])
+    for step in range(3):
+        calls.clear()
+        batch = side.next_batch(step, Timer())
+        assert len(calls) == 1  # one forward pass per generation round
+        prompts, responses = calls[0]
+        assert prompts == [[5, row] for row in ROUND[0][:3] for _ in range(3)]
+        scored, chosen, expected, scored_tokens = [], [], [], []
+        for q in range(3):
+            indices = [int(i) for i in rng.choice(5, size=3, replace=False)]
+            tokens = [[ord(c) % 200 for c in pools[q][i]] + [EOS] for i in indices]
+            scored_tokens += tokens
+            sums = [np.sum(-(np.asarray(t, dtype=np.float64) % 7) / 10) for t in tokens]
+            means = [total / len(t) for total, t in zip(sums, tokens)]
+            order = np.argsort(means, kind="stable")[:2]
+            expected.append([indices[j] for j in order])
+            scored += list(zip(sums, map(len, tokens)))
+            chosen += [scored[-3 + j] for j in order]
+        assert responses == scored_tokens
+        drawn = [[s.pool_index for s in batch.sequences if s.group == g and s.source == REPLAY]
+                 for g in range(4)]
+        assert drawn == expected + [[]], step
+        m = side.metrics(batch, step)
+        for name, items in (("candidate", scored), ("chosen", chosen)):
+            assert m[f"replay/{name}_logprob_mean"] == pytest.approx(
+                sum(t for t, _ in items) / sum(n for _, n in items), rel=1e-12)
+        assert m["replay/chosen_logprob_mean"] < m["replay/candidate_logprob_mean"]
+    # unlikely_candidates=0 scores every answer, in stored order, drawing nothing
+    side, _ = make_side("unlikely", pools, [ROUND], ["replay.unlikely_candidates=0"])
+    side.likelihood = fake_likelihood(calls := [])
+    state = side.replay_sampler._rng.bit_generator.state
+    side.next_batch(0, Timer())
+    assert len(calls[0][1]) == 15
+    assert side.replay_sampler._rng.bit_generator.state == state
+    # without a likelihood function (the trainer gives it) a clear error
+    side, _ = make_side("unlikely", pools, [ROUND])
+    with pytest.raises(RuntimeError, match="no likelihood function"):
+        side.next_batch(0, Timer())
+
+
 def test_policy_settings_are_checked():
     with pytest.raises(ValueError, match="replay.policy: 'often' is not one of"):
         load_config(None, ["replay.num_replays_per_prompt=2", "replay.policy=often"])
@@ -300,3 +361,9 @@ def test_policy_settings_are_checked():
                            "replay.online_low_pass_weight=true", "replay.policy=low_pass"])
     with pytest.raises(ValueError, match="replay.policy must be one of"):
         make_replay_policy("often")
+    with pytest.raises(ValueError, match="unlikely_candidates=1 leaves fewer candidates than "
+                                         "the M=2"):
+        load_config(None, ["replay.num_replays_per_prompt=2", "replay.policy=unlikely",
+                           "replay.unlikely_candidates=1"])
+    with pytest.raises(ValueError, match="unlikely_candidates must be >= 0"):
+        load_config(None, ["replay.unlikely_candidates=-1"])
