@@ -18,7 +18,9 @@ by question difficulty. Prints one table per comparison and one of accuracy by d
    95% interval, and the paired difference to the baseline or, for replay-only figures, to
    ``rlep``): the share of trained sequences that are replays, the mean advantage replays and
    fresh responses carry, the fresh rollouts' accuracy on the training questions (those the
-   pool answers), the policy's entropy, and the clip fractions of replayed and fresh tokens.
+   pool answers), the policy's entropy, how unlikely the replayed tokens are to the policy
+   before the update (their mean negative log-prob), and the clip fractions of replayed and
+   fresh tokens.
 
 ``--hard``: the hard miniature (``rlep_megatron.demo.HARD_TASK``: the warm start's sampled
 answers are right about a fifth of the time; its pool from a baseline run twice as long as the
@@ -28,7 +30,8 @@ first, the second shows how much of a question's bin is sampling noise).
 ``--warm-start-seed``: the demo's (another model, another directory). ``--arms``: more demo arms
 beside the four, each compared with the baseline and with uniform replay (``rlep_equal``: the
 replays in mini-batches of G + M sequences, as many optimizer steps as the baseline: whether a
-gain comes from the replays or from the paper's extra optimizer steps).
+gain comes from the replays or from the paper's extra optimizer steps; ``unlikely``: replay
+the pool answers the current policy finds least likely, ``replay.policy=unlikely``).
 
 A finished step is not redone (the demo's runs, and every eval whose report exists).
 """
@@ -131,6 +134,10 @@ DIAGNOSTICS = (
     ("accuracy of fresh rollouts on the training questions",
      lambda e: e.get("rollout/acc_mean"), "baseline"),
     ("entropy (nats per token)", lambda e: e.get("train/entropy"), "baseline"),
+    # how unlikely the replayed answers are to the policy that trains on them
+    ("replayed tokens' NLL before the update (nats per token)",
+     lambda e: e.get("train/old_nll_mean/replay") if e.get("replay/num_sequences") else None,
+     "rlep"),
     ("clip fraction, replayed tokens", lambda e: e.get("train/pg_clipfrac/replay"), "rlep"),
     ("clip fraction, fresh tokens", lambda e: e.get("train/pg_clipfrac/fresh",
                                                      e.get("train/pg_clipfrac")), "baseline"),
@@ -197,7 +204,8 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(ARMS),
                         help="comma-separated demo arms; baseline, rlep, low_pass and rescue "
                              "always run (e.g. add rlep_equal: the replays with as many "
-                             "optimizer steps as the baseline)")
+                             "optimizer steps as the baseline; unlikely: replay.policy="
+                             "unlikely)")
     args = parser.parse_args()
     arms = list(ARMS) + [a for a in args.arms.split(",") if a and a not in ARMS]
     from rlep_megatron.config import load_config
