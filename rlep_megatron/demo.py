@@ -701,8 +701,8 @@ def arm_settings(arm: str, recipes: str, pool: str,
     (``trainer.max_staleness=1``, with the rollout correction it is meant to run with), so its
     paired differences to the baseline are one step off against synchronous; ``separate``:
     the same with generation on a vLLM server of its own (``rollout.placement=separate``, one
-    more process), overlapping training; ``low_pass``, ``rescue`` and ``unlikely``: ``rlep``
-    with that ``replay.policy``; ``gspo``, ``cispo``, ``dr_grpo``: the baseline with that loss, ``lora``
+    more process), overlapping training; ``low_pass``, ``rescue`` and ``unlikely``:
+    ``rlep`` with that ``replay.policy``; ``gspo``, ``cispo``, ``dr_grpo``: the baseline with that loss, ``lora``
     with LoRA adapters (:data:`VARIANT_ARMS`)."""
     if arm == "baseline":
         return os.path.join(recipes, "tiny_cpu_baseline.yaml"), []

@@ -195,19 +195,33 @@ class LearningSide:
         """Per (prompt, response) pair: the sum of the actor's log-probs of the response's
         tokens (at the rollout temperature, the EOS included) and their count, on every rank:
         what ``replay.policy=unlikely`` ranks pool answers by. A collective: every rank passes
-        the same pairs, and each data-parallel replica computes all of them."""
+        the same pairs; each data-parallel replica scores every DP-th pair (a replica with
+        none runs one row all the same: it takes part in the forward's collectives), then
+        every rank holds all the results, so that the replicas choose from the same numbers."""
+        from megatron.core import parallel_state as ps
+
         from rlep_megatron.actor.forward import actor_logprobs
 
-        ids, mask = training_rows(prompts, responses, self.pad_id)
-        lengths = torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)])
+        dp, dp_rank = self.ctx.data_parallel_size, self.ctx.data_parallel_rank
+        mine = list(range(dp_rank, len(prompts), dp))
+        rows = mine or [0]
+        ids, mask = training_rows([prompts[i] for i in rows], [responses[i] for i in rows],
+                                  self.pad_id)
+        lengths = torch.tensor([len(prompts[i]) + len(responses[i]) for i in rows])
         budget = self.cfg.trainer.micro_batch_max_tokens
         logp = actor_logprobs(self.chunks, self.info, ids, max(1, budget // ids.shape[1]),
                               self.cfg.rollout.temperature, everywhere=True, lengths=lengths,
                               pack_max_tokens=budget if self.cfg.trainer.sequence_packing
                               else None)
-        sums = (logp.double() * mask.double()).sum(dim=1)
-        return [(float(total), int(count)) for total, count in zip(sums.tolist(),
-                                                                   mask.sum(dim=1).tolist())]
+        sums = (logp.double() * mask.double()).sum(dim=1).tolist()
+        counts = mask.sum(dim=1).tolist()
+        local = [(i, float(sums[j]), int(counts[j])) for j, i in enumerate(mine)]
+        out: list = [None] * len(prompts)
+        for share in (distributed.all_gather_object(local, group=ps.get_data_parallel_group())
+                      if dp > 1 else [local]):
+            for i, total, count in share:
+                out[i] = (total, count)
+        return out
 
     def old_logprob(self, batch: StepBatch, plan: list[list[int]], version: int):
         """Old (and reference) log-probs of every mini-batch, and the step's metrics of the

@@ -149,8 +149,9 @@ def test_dynamic_sampling_keeps_whole_groups_with_signal(tiny_qwen2_dir, task, p
     assert "dynamic sampling kept 0 of 4 groups in 2 rounds" in failed.stdout + failed.stderr
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.context_parallel_size=2"]],
-                         ids=["ep2-dp2", "ep2-cp2"])
+@pytest.mark.parametrize("layout", [["replay.policy=unlikely"],
+                                    ["parallel.context_parallel_size=2"]],
+                         ids=["ep2-dp2-unlikely", "ep2-cp2"])
 def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(layout, tiny_qwen3_moe_dir, task,
                                                               pool, tmp_path):
     """The tiny Qwen3-MoE (8 experts, top-2) on 2 ranks with its experts split over EP=2
@@ -160,7 +161,10 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(layout, tiny_qwen3
     micro-batches run fillers): contract metrics finite, the engine agrees with the actor on
     every fresh token, in log-probs and in the experts the actor's routers would choose
     themselves (fp32), and step 3 redone from the step-2 checkpoint equals the straight run's
-    step 3 in every metric."""
+    step 3 in every metric. At DP 2 the replays are chosen by ``replay.policy=unlikely`` (here
+    both of a question's pool answers, least likely first), each replica scoring half of the
+    candidates: the scores every rank then holds are the old-log-prob pass's, and the resume
+    redoes the choice."""
     common = [f"replay.pool_files=[{pool}]", f"replay.num_replays_per_prompt={M}",
               "parallel.expert_model_parallel_size=2", "algo.routing_replay=rollout",
               "algo.moe_aux_loss_coeff=0.001", *layout]
@@ -178,6 +182,9 @@ def test_moe_rlep_with_expert_parallelism_resumes_bit_for_bit(layout, tiny_qwen3
         # every fresh sequence's positions but its last, on each of the 3 MoE layers
         assert entry["rollout/routing_compared"] >= 3 * 4 * 4 * 20
         assert entry["rollout/routing_mismatch_frac"] <= 0.01
+        if "replay.policy=unlikely" in layout:
+            assert entry["replay/chosen_logprob_mean"] == pytest.approx(
+                -entry["train/old_nll_mean/replay"], abs=1e-5)
     assert a[3]["train/grad_norm"] > 0
 
 

@@ -336,13 +336,16 @@ def test_unlikely_replays_the_candidates_the_policy_finds_least_likely():
             assert m[f"replay/{name}_logprob_mean"] == pytest.approx(
                 sum(t for t, _ in items) / sum(n for _, n in items), rel=1e-12)
         assert m["replay/chosen_logprob_mean"] < m["replay/candidate_logprob_mean"]
-    # unlikely_candidates=0 scores every answer, in stored order, drawing nothing
-    side, _ = make_side("unlikely", pools, [ROUND], ["replay.unlikely_candidates=0"])
-    side.likelihood = fake_likelihood(calls := [])
-    state = side.replay_sampler._rng.bit_generator.state
-    side.next_batch(0, Timer())
-    assert len(calls[0][1]) == 15
-    assert side.replay_sampler._rng.bit_generator.state == state
+    # unlikely_candidates=0, or at least the pool's size, scores every answer, in stored
+    # order, drawing nothing
+    for k in (0, 5, 8):
+        side, _ = make_side("unlikely", pools, [ROUND], [f"replay.unlikely_candidates={k}"])
+        side.likelihood = fake_likelihood(calls := [])
+        state = side.replay_sampler._rng.bit_generator.state
+        side.next_batch(0, Timer())
+        assert calls[0][1] == [[ord(c) % 200 for c in text] + [EOS]
+                               for q in range(3) for text in pools[q]], k
+        assert side.replay_sampler._rng.bit_generator.state == state
     # without a likelihood function (the trainer gives it) a clear error
     side, _ = make_side("unlikely", pools, [ROUND])
     with pytest.raises(RuntimeError, match="no likelihood function"):
