@@ -15,7 +15,8 @@ column-by-column solution is about twice as long as the usual form), the replaye
 negative log-prob before the update and their clip fraction (means over steps and seeds); and
 ``rlep eval`` of every final checkpoint on the validation questions (16 samples each, as
 ``bench/replay_policies.py``): accuracy and the share of answers written column by column,
-each arm's paired difference to the baseline. A finished run or eval is not redone.
+each arm's paired difference to the baseline, and how many of the column-by-column answers
+are right. A finished run or eval is not redone.
 """
 import argparse
 import json
@@ -97,10 +98,11 @@ def final_answers(out: str, arm: str, seed: int, steps: int, k: int) -> dict[str
     run = os.path.join(out, arm, f"seed_{seed}")
     samples = evaluate(out, os.path.join(run, "checkpoints", f"step_{steps:08d}"),
                        os.path.join(run, "eval_final.json"), k)
-    responses = [r for q in samples for r in q["responses"]]
-    return {"accuracy": statistics.mean(a for q in samples for a in q["acc"]),
-            "column-by-column share": statistics.mean(r.startswith(COLUMN_FORM)
-                                                      for r in responses)}
+    answers = [(r, a) for q in samples for r, a in zip(q["responses"], q["acc"])]
+    column = [a for r, a in answers if r.startswith(COLUMN_FORM)]
+    return {"accuracy": statistics.mean(a for _, a in answers),
+            "column-by-column share": len(column) / len(answers),
+            "column_right": sum(column), "column_count": len(column)}
 
 
 def main() -> None:
@@ -135,7 +137,7 @@ def main() -> None:
               for arm in ("baseline", "rlep", "unlikely")}
     print("\nfinal checkpoints on the validation questions (16 samples each), mean over seeds; "
           "paired difference to the baseline [95% interval]:")
-    for key in finals["baseline"][0]:
+    for key in ("accuracy", "column-by-column share"):
         cells = []
         for arm, runs in finals.items():
             cell = f"{arm} {100 * statistics.mean(r[key] for r in runs):.1f}%"
@@ -145,6 +147,10 @@ def main() -> None:
                 cell += f" ({d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}])"
             cells.append(cell)
         print(f"{key}: " + "; ".join(cells))
+    # how well the policy carries the form out once it writes it
+    print("accuracy of the answers written column by column (all seeds): " + "; ".join(
+        f"{arm} {sum(r['column_right'] for r in runs)} of "
+        f"{sum(r['column_count'] for r in runs)}" for arm, runs in finals.items()))
 
 if __name__ == "__main__":
     main()
