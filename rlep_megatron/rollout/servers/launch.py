@@ -98,6 +98,12 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
     os.setsid()
 
 
+# a rollout rank's server binds the free port it was given seconds later, after its imports:
+# another process may take the port in between, and the server then starts again on another
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "Address already in use"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -189,14 +195,26 @@ def serve_rollout_rank(cfg, index: int) -> None:
         devices = visible.split(",") if visible else [str(i) for i in
                                                        range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = devices[local]
-    server = LocalServer(cfg.model.hf_dir, rcfg, host="0.0.0.0", advertise=advertise,
-                         log_path=log_path, threads=threads,
-                         dtype=str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1],
-                         seed=cfg.trainer.seed, owns_gpu=True,
-                         max_model_len=cfg.data.max_prompt_tokens + rcfg.max_response_tokens,
-                         lora_rank=adapter_rank(cfg))
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        server = LocalServer(cfg.model.hf_dir, rcfg, host="0.0.0.0", advertise=advertise,
+                             log_path=log_path, threads=threads,
+                             dtype=str(resolve_dtype(cfg.model.params_dtype)).split(".")[-1],
+                             seed=cfg.trainer.seed, owns_gpu=True,
+                             max_model_len=cfg.data.max_prompt_tokens + rcfg.max_response_tokens,
+                             lora_rank=adapter_rank(cfg))
+        try:
+            url = server.wait_ready()
+            break
+        except BaseException as err:
+            server.stop()
+            # the free port was taken by another process before the server bound it
+            taken = isinstance(err, RolloutServerError) and PORT_TAKEN in str(err)
+            if not taken or attempt == PORT_ATTEMPTS:
+                raise
+            logger.warning("rollout rank %d: the vLLM server's port %d was taken before it "
+                           "bound it; starting it on another port (attempt %d of %d)", index,
+                           server.port, attempt + 1, PORT_ATTEMPTS)
     try:
-        url = server.wait_ready()
         logger.info("rollout rank %d: vLLM server %s ready (log: %s)", index, url, log_path)
         distributed.publish_rollout_url(index, url)
         store = distributed.job_store()
