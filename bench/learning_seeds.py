@@ -6,8 +6,9 @@ runs for each warm-start seed given, one row per seed with the test's two criter
 
 Runs (each the test of that name; the tests themselves run warm-start seed 0):
 - ``dense``: test_training_reward_rises_on_a_learnable_task (the tiny Qwen2, packed);
-- ``lora``: test_training_reward_rises_with_lora (rank-8 adapters on every projection, the
-  engine serving them as a vLLM LoRA);
+- ``lora``: test_training_reward_rises_with_lora (rank-8 adapters on every projection, each
+  update merged into the engine's weights; the rows in bench/RESULTS.md before that change
+  sampled through vLLM's LoRA);
 - ``one_step_off``: test_training_reward_rises_one_step_off (``trainer.max_staleness=1``,
   ``algo.rollout_correction=truncate``);
 - ``moe``: test_training_reward_rises_on_a_mixture_of_experts (the tiny Qwen3-MoE, 8 experts,

@@ -1,4 +1,8 @@
 """Entry point used by tests.torchrun.run_function: ``function_runner.py module:function JSON``."""
+import gc
+
+gc.disable()  # a program: its imports and its short run without cyclic collections over that
+# heap (rlep_megatron/platform/heap.py)
 import importlib
 import json
 import os
