@@ -1,4 +1,5 @@
 """The test suite (tiers by pytest marker; see docs/development.md)."""
+import gc
 import importlib
 import os
 
@@ -11,3 +12,13 @@ def requires(module: str):
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+def pause_gc_in_program(name: str) -> None:
+    """At the top of a test program, before its imports (``pause_gc_in_program(__name__)``): run
+    as a program (``name`` is ``"__main__"``), its imports and its short run go without cyclic
+    collections over that heap, as a job's start-up does (rlep_megatron/platform/heap.py; the
+    package cannot be imported for this, it imports torch). Imported by a test module, nothing
+    changes in the pytest process."""
+    if name == "__main__":
+        gc.disable()

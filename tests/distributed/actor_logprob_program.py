@@ -3,10 +3,9 @@ per-token log-probs (and entropy) of a right-padded batch of different lengths t
 ``--cases FILE`` (a JSON list of argument lists, each with its own ``--hf-dir`` and ``--out``)
 runs several such cases one after another in the same launch: the imports and the process group
 are paid once, the model-parallel layout is rebuilt for each case."""
-import gc
+from tests import pause_gc_in_program
 
-if __name__ == "__main__":  # a program: its imports and its short run without
-    gc.disable()  # cyclic collections over that heap (rlep_megatron/platform/heap.py)
+pause_gc_in_program(__name__)
 import argparse
 import contextlib
 

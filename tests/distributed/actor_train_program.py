@@ -3,10 +3,9 @@
 tensors) and the step metrics to ``--out``. ``--cases FILE`` (a JSON list of argument lists,
 each with its own ``--hf-dir`` and ``--out``) takes several such steps one after another in one
 launch, each from a freshly built model in its own layout."""
-import gc
+from tests import pause_gc_in_program
 
-if __name__ == "__main__":  # a program: its imports and its short run without
-    gc.disable()  # cyclic collections over that heap (rlep_megatron/platform/heap.py)
+pause_gc_in_program(__name__)
 import argparse
 import contextlib
 import dataclasses

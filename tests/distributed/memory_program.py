@@ -12,10 +12,9 @@ several with ``--cases FILE`` (:class:`tests.torchrun.Cases`), two modes:
   in one forward pass of a TOKENS-token sequence (``saved_tensors_hooks``, each storage counted
   once, parameters excluded).
 """
-import gc
+from tests import pause_gc_in_program
 
-if __name__ == "__main__":  # a program: its imports and its short run without
-    gc.disable()  # cyclic collections over that heap (rlep_megatron/platform/heap.py)
+pause_gc_in_program(__name__)
 import json
 import os
 

@@ -6,10 +6,6 @@ responses run a few engine steps, leave the engine (``resume``), the weights bec
 (version 1) and the responses finish. Then six more run a few steps under B, leave the engine
 (``restart``), the weights become A's again (version 2) and they start over. Every response's
 prompt, tokens, recorded log-probs, version spans and finish reason go to OUT.json."""
-import gc
-
-if __name__ == "__main__":  # a program: its imports and its short run without
-    gc.disable()  # cyclic collections over that heap (rlep_megatron/platform/heap.py)
 import json
 import os
 import sys

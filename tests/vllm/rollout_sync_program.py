@@ -7,10 +7,6 @@ sample with the same seed and compare. With ``--fail-sync`` the last layout also
 sync midway and checks the engine refuses to generate until a complete sync. Rank 0 writes a
 JSON report to ``--out``; the pytest side asserts on it.
 """
-import gc
-
-if __name__ == "__main__":  # a program: its imports and its short run without
-    gc.disable()  # cyclic collections over that heap (rlep_megatron/platform/heap.py)
 import argparse
 import contextlib
 import json

@@ -17,10 +17,9 @@ Checks, written to ``--out`` as JSON for the pytest side:
 4. failure: the server killed (SIGKILL) while requests are in flight, and while none are: how
    long until the trainer side raises, and the error.
 """
-import gc
+from tests import pause_gc_in_program
 
-if __name__ == "__main__":  # a program: its imports and its short run without
-    gc.disable()  # cyclic collections over that heap (rlep_megatron/platform/heap.py)
+pause_gc_in_program(__name__)
 import argparse
 import json
 import os
