@@ -3,6 +3,7 @@ reload."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -75,29 +76,58 @@ def cpu_moe_layers_reprocessed() -> int:
     return _MOE_REPROCESSED[0]
 
 
-def vllm_cpu_engine_settings(max_model_len: int) -> dict:
-    """Extra ``vllm.LLM`` arguments on vLLM's CPU backend (empty with CUDA); also sets the KV
-    cache size variable the CPU backend reads (GiB) unless the user set it.
+# vLLM's CPU backend: at most 256 sequences per engine rank run at once (its default
+# ``max_num_seqs`` for the ``LLM`` class; 128 for its server), in blocks of 128 tokens
+CPU_MAX_SEQS_PER_RANK = 256
+CPU_KV_CACHE_MAX_BYTES = 2**30     # the size it had before it was sized to the model: 1 GiB
+CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
+
+
+def cpu_kv_cache_bytes(hf_config: dict, max_model_len: int, tensor_parallel_size: int = 1
+                       ) -> int:
+    """The KV cache (bytes per engine rank) that holds vLLM's most concurrent sequences on CPU
+    (:data:`CPU_MAX_SEQS_PER_RANK` per rank), each ``max_model_len`` tokens long (rounded up to
+    256), in fp32, within [64 MiB, 1 GiB]. However full the batch, the scheduler never waits
+    for a free block, so the engine runs its requests as with a larger cache; on a tiny model
+    this is a few MiB instead of the backend's 1 GiB, which costs about 0.5 s to allocate on
+    every engine start. ``VLLM_CPU_KVCACHE_SPACE`` (GiB), when set, takes precedence (vLLM
+    reads it)."""
+    text = hf_config.get("text_config") or hf_config
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    # a rank holds its share of the KV heads, or one replicated head when there are fewer
+    local_kv_heads = max(1, kv_heads // tensor_parallel_size)
+    per_token = 2 * int(text["num_hidden_layers"]) * local_kv_heads * head_dim * 4
+    tokens = CPU_MAX_SEQS_PER_RANK * tensor_parallel_size * (-(-int(max_model_len) // 256) * 256)
+    return int(min(CPU_KV_CACHE_MAX_BYTES, max(CPU_KV_CACHE_MIN_BYTES, per_token * tokens)))
+
+
+def vllm_cpu_engine_settings(max_model_len: int, hf_config: Optional[dict] = None,
+                             tensor_parallel_size: int = 1) -> dict:
+    """Extra ``vllm.LLM`` arguments on vLLM's CPU backend (empty with CUDA).
 
     * the CPU backend refuses the default ``gpu_memory_utilization`` on small machines;
     * CUDA graphs do not exist on CPU (``enforce_eager``);
     * chunked prefill is off and every prompt fits one scheduler step: a partially prefilled
       request has its sampled token discarded, and vLLM then rewinds the request's seeded
       generator with ``set_offset``, which CPU generators do not support ("CPU Generator does
-      not use offset"). Rollouts always use per-request seeds.
+      not use offset"). Rollouts always use per-request seeds;
+    * the KV cache is sized to the model (:func:`cpu_kv_cache_bytes`, from ``hf_config``, the
+      model's config.json); without it, 1 GiB.
     """
     if probe.cuda_available():
         return {}
-    import os
-
     remove_stale_vllm_cpu_shm()
     remove_truncated_inductor_binaries()
     run_vllm_cpu_helpers_eagerly()
     name_vllm_cpu_shm_per_job()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    kv_bytes = (CPU_KV_CACHE_MAX_BYTES if hf_config is None
+                else cpu_kv_cache_bytes(hf_config, max_model_len, tensor_parallel_size))
     return {"gpu_memory_utilization": 0.2, "enforce_eager": True,
             "enable_chunked_prefill": False,
-            "max_num_batched_tokens": max(int(max_model_len), 8192)}
+            "max_num_batched_tokens": max(int(max_model_len), 8192),
+            "kv_cache_memory_bytes": kv_bytes}
 
 
 # vLLM helpers wrapped in ``torch.compile`` that its CPU backend calls even with

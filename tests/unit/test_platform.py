@@ -389,11 +389,32 @@ def test_vllm_cpu_shm_names_differ_between_jobs_and_agree_within_one(monkeypatch
         shm_class.make_group_name = saved
 
 
-def test_startup_heap_is_collected_then_frozen_and_collection_resumes():
-    """A job pauses automatic collection while it imports, then collects once and freezes what
-    survives before vLLM builds its engine: garbage made during the pause is still freed (not
-    frozen), live objects are frozen (later full collections skip them), and automatic
-    collection is back on."""
+def test_cpu_kv_cache_holds_the_most_concurrent_sequences_at_full_length():
+    """Counted by hand: K and V of every layer and KV head, fp32, for vLLM's 256 sequences per
+    engine rank at max_model_len rounded up to 256 tokens; a rank keeps its share of the KV heads
+    (one, replicated, when there are fewer than ranks); within [64 MiB, 1 GiB]."""
+    from rlep_megatron.platform.vllm_cpu import cpu_kv_cache_bytes
+
+    tiny = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "hidden_size": 128}
+    assert cpu_kv_cache_bytes(tiny, 128) == (2 * 4 * 2 * 32 * 4) * (256 * 256) == 128 * 2**20
+    assert cpu_kv_cache_bytes(tiny, 300) == (2 * 4 * 2 * 32 * 4) * (256 * 512)
+    assert cpu_kv_cache_bytes(tiny, 128, 2) == (2 * 4 * 1 * 32 * 4) * (512 * 256)
+    assert cpu_kv_cache_bytes(tiny, 128, 4) == (2 * 4 * 1 * 32 * 4) * (1024 * 256)
+    # head_dim from hidden_size / heads, and the config nested as a multimodal one's text part
+    small = {"num_hidden_layers": 1, "num_attention_heads": 2, "hidden_size": 32}
+    assert cpu_kv_cache_bytes({"text_config": small}, 256) == 64 * 2**20  # 16 MiB: the floor
+    assert cpu_kv_cache_bytes({"text_config": small}, 2048) == (2 * 1 * 2 * 16 * 4) * (256 * 2048)
+    qwen2_7b = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                "hidden_size": 3584}
+    assert cpu_kv_cache_bytes(qwen2_7b, 4096) == 2**30  # the backend's former size, the cap
+
+
+def test_startup_heap_is_frozen_without_a_collection_and_collection_resumes():
+    """A job pauses automatic collection while it imports, then freezes the heap as it is
+    before vLLM builds its engine: live objects are frozen (later full collections skip them),
+    the little garbage made during the pause is frozen with them (no full collection, which
+    would cost about 0.5 s of every start-up), and automatic collection is back on."""
     import gc
     import weakref
 
@@ -416,9 +437,10 @@ def test_startup_heap_is_collected_then_frozen_and_collection_resumes():
             Node()
         assert freed == []                           # paused: nobody collected the cycle
         heap.freeze_startup_heap()
-        assert freed == ["garbage"]
         assert gc.isenabled()
         assert gc.get_freeze_count() > frozen_before
+        gc.collect()
+        assert freed == []                           # frozen, not collected
         assert live.me is live
         # a second call (e.g. a second engine in one process) keeps collection on
         heap.freeze_startup_heap()
@@ -426,7 +448,8 @@ def test_startup_heap_is_collected_then_frozen_and_collection_resumes():
     finally:
         gc.unfreeze()
         gc.enable()
-
+    gc.collect()
+    assert freed == ["garbage"]                      # unfrozen, it is ordinary garbage again
 
 
 def test_a_job_that_fails_before_its_engine_leaves_collection_on(tmp_path):

@@ -260,7 +260,7 @@ class RolloutEngine(MemoryHandOff):
         platform.freeze_startup_heap()
         started = time.perf_counter()
         settings = dict(gpu_memory_utilization=cfg.gpu_memory_utilization)
-        settings.update(platform.vllm_cpu_engine_settings(max_model_len))
+        settings.update(platform.vllm_cpu_engine_settings(max_model_len, hf_config, tp))
         if self.adapters is not None:
             settings.update(self.adapters.engine_settings())
         extra, variables, self.routing_source = _routing_settings(cfg, capture_routing,

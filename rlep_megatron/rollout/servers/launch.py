@@ -30,7 +30,8 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
     """The ``vllm serve`` arguments a rollout server needs (``rollout`` config ``cfg``): the
     token-in/out route (``--enable-scale-out``), the weight-transfer backend, the processed
     log-probs the actor compares with, and on the CPU build the settings of the colocated
-    engine (:func:`~rlep_megatron.platform.vllm_cpu_engine_settings`). ``lora_rank``
+    engine (:func:`~rlep_megatron.platform.vllm_cpu_engine_settings`), its KV cache sized to
+    the model in ``model_dir``. ``lora_rank``
     (``rollout.lora_sync=adapter``): the server loads the base from ``model_dir`` itself and
     takes the policy as LoRA adapters of that rank
     (:mod:`~rlep_megatron.rollout.servers.adapters`); otherwise it starts with dummy weights,
@@ -58,8 +59,14 @@ def serve_arguments(model_dir: str, cfg, *, port: int, host: str = "127.0.0.1",
         fraction = cfg.server_gpu_memory_utilization if owns_gpu else cfg.gpu_memory_utilization
         args += ["--gpu-memory-utilization", str(fraction)]
     else:
+        from rlep_megatron.platform.vllm_cpu import cpu_kv_cache_bytes
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            kv_bytes = cpu_kv_cache_bytes(json.load(f), max_model_len,
+                                          cfg.tensor_model_parallel_size)
         args += ["--enforce-eager", "--no-enable-chunked-prefill",
-                 "--max-num-batched-tokens", str(max(max_model_len, 8192))]
+                 "--max-num-batched-tokens", str(max(max_model_len, 8192)),
+                 "--kv-cache-memory-bytes", str(kv_bytes)]
     return args
 
 
@@ -67,8 +74,8 @@ def serve_environment(threads: Optional[int] = None, log_requests: bool = False,
                       lora: bool = False) -> dict[str, str]:
     """The environment of a rollout server: its weight-update and pause routes on
     (``VLLM_SERVER_DEV_MODE``; ``lora``: and its adapter routes,
-    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), no hub, the CPU build's KV cache size, ``threads`` CPU
-    threads. Without a GPU, a one-rank server runs its model in the engine-core process, as
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), no hub, ``threads`` CPU threads (the CPU build's KV
+    cache size is an argument: :func:`serve_arguments`). Without a GPU, a one-rank server runs its model in the engine-core process, as
     vLLM does on a GPU (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the CPU build otherwise adds a
     worker process, which starts in about 10 s more)."""
     from rlep_megatron import platform
@@ -77,7 +84,6 @@ def serve_environment(threads: Optional[int] = None, log_requests: bool = False,
     env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1")
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if not platform.cuda_available():
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if log_requests:  # vLLM logs each request at INFO (the job's default level is WARNING)
@@ -119,7 +125,7 @@ class LocalServer:
                  log_path: Optional[str] = None, threads: Optional[int] = None, **kwargs):
         self.port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
         self.url = f"http://{advertise or host}:{self.port}"
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        command = [sys.executable, "-m", "rlep_megatron.rollout.servers.serve_main",
                    *serve_arguments(model_dir, cfg, port=self.port, host=host, **kwargs)]
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
