@@ -1,4 +1,4 @@
-"""Run a script or a ``module:function`` under torchrun with N CPU ranks, from tests."""
+"""Run a script or a ``module:function`` on N local ranks (as torchrun starts them), from tests."""
 from __future__ import annotations
 
 import contextlib
@@ -26,23 +26,82 @@ def _env(extra: Optional[dict[str, str]], gpu: bool = False) -> dict[str, str]:
     return env
 
 
-def run_torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 600,
-                 env: Optional[dict[str, str]] = None, gpu: bool = False
-                 ) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node nproc script args``; raises with the output's tail
-    when a rank fails or the run exceeds ``timeout_s``. ``gpu``: the ranks see the GPUs."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", script, *args]
-    try:
-        proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(env, gpu), capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as err:
-        tail = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (err.stdout or "")
-        raise AssertionError(f"torchrun {script} timed out after {timeout_s}s:\n{tail}") from None
+def run_ranks(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 600,
+              env: Optional[dict[str, str]] = None, gpu: bool = False
+              ) -> subprocess.CompletedProcess:
+    """``script args`` on ``nproc`` local ranks; raises with the output's tail when a rank fails
+    or the run exceeds ``timeout_s``. ``gpu``: the ranks see the GPUs, and torchrun starts them
+    (``torchrun --standalone --nproc-per-node nproc``). On CPU they are started here with the
+    variables torchrun gives them (rank 0 hosts the store), without torchrun's launcher: a
+    process that imports torch only to start the ranks (about 2 CPU-seconds per launch). As
+    torchrun does, the first rank to fail ends the others. The ``rlep`` jobs of the e2e tests
+    run under torchrun itself (tests/e2e/helpers.py)."""
+    if gpu:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", script, *args]
+        try:
+            proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(env, gpu),
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as err:
+            tail = (err.stdout or b"")[-4000:] if isinstance(err.stdout, bytes) else (
+                err.stdout or "")
+            raise AssertionError(f"torchrun {script} timed out after {timeout_s}s:\n{tail}"
+                                 ) from None
+    else:
+        proc = _start_and_wait(script, nproc, list(args), _env(env), timeout_s)
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr)[-6000:]
-        raise AssertionError(f"torchrun {script} x{nproc} failed ({proc.returncode}):\n{output}")
+        raise AssertionError(f"{script} x{nproc} failed ({proc.returncode}):\n{output}")
     return proc
+
+
+def _start_and_wait(script: str, nproc: int, args: list[str], env: dict[str, str],
+                    timeout_s: float) -> subprocess.CompletedProcess:
+    """The CPU side of :func:`run_ranks`: each rank's output to files of its own, joined in
+    rank order (stdout, then stderr)."""
+    import signal
+    import socket
+    import tempfile
+    import time
+
+    with socket.socket() as sock:  # a free port for rank 0's store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    shared = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                  LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                  GROUP_WORLD_SIZE="1", ROLE_NAME="default", TORCHELASTIC_RESTART_COUNT="0",
+                  TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID=f"tests-{os.getpid()}-{port}")
+    ranks, files = [], []
+    with tempfile.TemporaryDirectory() as logs:
+        for rank in range(nproc):
+            out, err = (open(os.path.join(logs, f"{rank}.{name}"), "w+") for name in ("out", "err"))
+            files.append((out, err))
+            ranks.append(subprocess.Popen(
+                [sys.executable, "-u", script, *args], cwd=REPO_ROOT, stdout=out, stderr=err,
+                env=dict(shared, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)),
+                start_new_session=True))
+        deadline, code = time.monotonic() + timeout_s, 0
+        while code == 0 and any(r.poll() is None for r in ranks):
+            code = next((r.returncode for r in ranks if r.returncode not in (None, 0)), 0)
+            if time.monotonic() > deadline:
+                code = 124
+            time.sleep(0.1)
+        code = code or next((r.returncode for r in ranks if r.returncode), 0)
+        for rank in ranks:  # a failure (or the deadline) ends the ranks still running
+            if rank.poll() is None:
+                os.killpg(rank.pid, signal.SIGKILL)
+            rank.wait()
+        outputs = []
+        for handles in zip(*files):
+            texts = []
+            for handle in handles:
+                handle.seek(0)
+                texts.append(handle.read())
+                handle.close()
+            outputs.append("".join(texts))
+    if code == 124:
+        outputs[1] += f"\n{script}: still running after {timeout_s:.0f} s: killed"
+    return subprocess.CompletedProcess([script, *args], code, *outputs)
 
 
 @contextlib.contextmanager
@@ -115,9 +174,9 @@ def rlep_in_process(args: Sequence[str], cwd: Optional[str] = None
 
 def run_function(target: str, nproc: int, kwargs: Optional[dict[str, Any]] = None,
                  timeout_s: float = 600) -> subprocess.CompletedProcess:
-    """Run ``package.module:function(**kwargs)`` on every rank under torchrun."""
+    """Run ``package.module:function(**kwargs)`` on each of ``nproc`` ranks (:func:`run_ranks`)."""
     runner = os.path.join(REPO_ROOT, "tests", "function_runner.py")
-    return run_torchrun(runner, nproc, [target, json.dumps(kwargs or {})], timeout_s=timeout_s)
+    return run_ranks(runner, nproc, [target, json.dumps(kwargs or {})], timeout_s=timeout_s)
 
 
 def case_parser() -> "argparse.ArgumentParser":
@@ -149,7 +208,7 @@ def run_cases(parser, run_case: Callable[[Any], None]) -> None:
 
 
 class Cases:
-    """The cases of a torchrun program that takes ``--cases FILE`` (a JSON list of argument
+    """The cases of a multi-rank program that takes ``--cases FILE`` (a JSON list of argument
     lists, each with its own ``--hf-dir`` and ``--out``), declared when the test module is
     imported: the cases of one rank count run in one launch, started by the first test that
     asks for one of them. Start-up (imports, process group) is most of a small case's time.
@@ -196,8 +255,8 @@ class Cases:
                                   *(words.get(a, a) for a in args)])
             (root / "cases.json").write_text(json.dumps(arguments, indent=1))
             self._outs[nproc] = None  # a failed launch is reported once, by the test that ran it
-            run_torchrun(self.program, nproc, ["--cases", str(root / "cases.json")],
-                         timeout_s=self.timeout_s)
+            run_ranks(self.program, nproc, ["--cases", str(root / "cases.json")],
+                      timeout_s=self.timeout_s)
             self._outs[nproc] = outs
         outs = self._outs[nproc]
         if outs is None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.torchrun import REPO_ROOT, run_tool_in_process, run_torchrun
+from tests.torchrun import REPO_ROOT, run_tool_in_process, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -132,12 +132,12 @@ def test_a_checkpoint_made_by_transformers_round_trips_and_verifies(arch, tmp_pa
     assert json.load(open(back / "config.json")) == json.load(open(os.path.join(hf_dir,
                                                                                 "config.json")))
     split = ["--tp", "2"] if arch == "qwen3" else ["--ep", "2"]
-    proc = run_torchrun("tools/verify_conversion.py", 2,
+    proc = run_ranks("tools/verify_conversion.py", 2,
                         ["--hf-dir", hf_dir, "--mcore-dir", str(mcore), *split])
     assert "OK" in proc.stdout, proc.stdout
     other = transformers_made(arch, tmp_path / "other", seed=8)
     with pytest.raises(AssertionError, match=VERIFY_FAILED):
-        run_torchrun("tools/verify_conversion.py", 2,
+        run_ranks("tools/verify_conversion.py", 2,
                      ["--hf-dir", other, "--mcore-dir", str(mcore), *split])
 
 
@@ -145,7 +145,7 @@ def test_converted_checkpoint_verifies_at_another_layout(tiny_qwen2_dir, tmp_pat
     mcore = str(tmp_path / "mcore")
     assert tool("tools/convert_hf_to_mcore.py", "--hf-dir", tiny_qwen2_dir,
                 "--out-dir", mcore).returncode == 0
-    proc = run_torchrun("tools/verify_conversion.py", 4, ["--hf-dir", tiny_qwen2_dir,
+    proc = run_ranks("tools/verify_conversion.py", 4, ["--hf-dir", tiny_qwen2_dir,
                                                           "--mcore-dir", mcore, "--tp", "2",
                                                           "--pp", "2"])
     assert "TP=2 PP=2" in proc.stdout and "OK" in proc.stdout
@@ -160,14 +160,14 @@ def test_converted_moe_checkpoint_verifies_with_experts_split(tiny_qwen3_moe_dir
     assert tool("tools/convert_hf_to_mcore.py", "--hf-dir", tiny_qwen3_moe_dir,
                 "--out-dir", mcore).returncode == 0
     for args in (["--ep", "2"], ["--tp", "2"]):
-        proc = run_torchrun("tools/verify_conversion.py", 2,
+        proc = run_ranks("tools/verify_conversion.py", 2,
                             ["--hf-dir", tiny_qwen3_moe_dir, "--mcore-dir", mcore, *args])
         assert "OK" in proc.stdout, proc.stdout
 
 
 def test_tp_that_does_not_divide_heads_is_refused(tiny_qwen2_dir):
     with pytest.raises(AssertionError) as err:
-        run_torchrun("tools/verify_conversion.py", 3, ["--hf-dir", tiny_qwen2_dir, "--tp", "3"])
+        run_ranks("tools/verify_conversion.py", 3, ["--hf-dir", tiny_qwen2_dir, "--tp", "3"])
     assert "tensor_model_parallel_size=3 does not divide the number of attention heads (4)" \
         in str(err.value)
 

@@ -22,7 +22,7 @@ import torch
 
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
 from tests import requires
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 def run_on_gpu(script: str, args: list[str], timeout_s: float = 600,
                env: dict[str, str] | None = None):
     """One rank on the GPU: the parent's CUDA_VISIBLE_DEVICES is kept as it is."""
-    return run_torchrun(script, 1, args, timeout_s=timeout_s, env=env, gpu=True)
+    return run_ranks(script, 1, args, timeout_s=timeout_s, env=env, gpu=True)
 
 
 def assert_on_cuda(device: str) -> None:

@@ -2,12 +2,13 @@
 equal the actor's recomputation (fp32, every token within 1e-4), for several actor TP x PP layouts against
 rollout TP 1 and 2; an optimizer step moves the engine's log-probs (so the sync really moved
 weights); a sync broken midway leaves an engine that refuses to generate until a full sync.
-The programs run under torchrun with vLLM in-process on every rank (external_launcher)."""
+The programs run on local ranks (tests.torchrun.run_ranks) with vLLM in-process on every rank
+(external_launcher)."""
 import json
 
 import pytest
 
-from tests.torchrun import run_torchrun
+from tests.torchrun import run_ranks
 from tests import requires
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
@@ -21,7 +22,7 @@ def run_program(tmp_path, model_dir, nproc, rollout_tp, layouts, fail_sync=False
     out = tmp_path / "report.json"
     args = ["--hf-dir", model_dir, "--rollout-tp", str(rollout_tp), "--layouts", layouts,
             "--out", str(out)] + (["--fail-sync"] if fail_sync else [])
-    run_torchrun("tests/vllm/rollout_sync_program.py", nproc, args, timeout_s=900)
+    run_ranks("tests/vllm/rollout_sync_program.py", nproc, args, timeout_s=900)
     return json.loads(out.read_text())
 
 

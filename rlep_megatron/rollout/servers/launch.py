@@ -75,9 +75,10 @@ def serve_environment(threads: Optional[int] = None, log_requests: bool = False,
     """The environment of a rollout server: its weight-update and pause routes on
     (``VLLM_SERVER_DEV_MODE``; ``lora``: and its adapter routes,
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), no hub, ``threads`` CPU threads (the CPU build's KV
-    cache size is an argument: :func:`serve_arguments`). Without a GPU, a one-rank server runs its model in the engine-core process, as
-    vLLM does on a GPU (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the CPU build otherwise adds a
-    worker process, which starts in about 10 s more)."""
+    cache size is an argument: :func:`serve_arguments`). Without a GPU, a one-rank server runs
+    its model in the engine-core process, as vLLM does on a GPU
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the CPU build otherwise adds a worker process, which
+    starts in about 10 s more)."""
     from rlep_megatron import platform
 
     env = dict(os.environ)
@@ -125,7 +126,7 @@ class LocalServer:
                  log_path: Optional[str] = None, threads: Optional[int] = None, **kwargs):
         self.port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
         self.url = f"http://{advertise or host}:{self.port}"
-        command = [sys.executable, "-m", "rlep_megatron.rollout.servers.serve_main",
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                    *serve_arguments(model_dir, cfg, port=self.port, host=host, **kwargs)]
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
