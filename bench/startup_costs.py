@@ -72,7 +72,7 @@ dist.destroy_process_group()
 
 
 def launcher(way: str, directory: str) -> dict:
-    from tests.torchrun import _env, run_ranks
+    from tests.torchrun import run_ranks
 
     script = os.path.join(directory, "barrier.py")
     with open(script, "w") as f:
@@ -80,9 +80,9 @@ def launcher(way: str, directory: str) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     if way == "torchrun":
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node=2", script], env=_env(None), check=True,
-                       capture_output=True)
+                        "--nproc-per-node=2", script], env=env, check=True, capture_output=True)
     else:
         run_ranks(script, 2)
     seconds = time.perf_counter() - start

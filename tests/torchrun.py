@@ -60,13 +60,12 @@ def _start_and_wait(script: str, nproc: int, args: list[str], env: dict[str, str
     """The CPU side of :func:`run_ranks`: each rank's output to files of its own, joined in
     rank order (stdout, then stderr)."""
     import signal
-    import socket
     import tempfile
     import time
 
-    with socket.socket() as sock:  # a free port for rank 0's store
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from rlep_megatron.rollout.servers.launch import free_port
+
+    port = free_port()  # for rank 0's store
     shared = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                   LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                   GROUP_WORLD_SIZE="1", ROLE_NAME="default", TORCHELASTIC_RESTART_COUNT="0",

@@ -133,12 +133,12 @@ def test_a_checkpoint_made_by_transformers_round_trips_and_verifies(arch, tmp_pa
                                                                                 "config.json")))
     split = ["--tp", "2"] if arch == "qwen3" else ["--ep", "2"]
     proc = run_ranks("tools/verify_conversion.py", 2,
-                        ["--hf-dir", hf_dir, "--mcore-dir", str(mcore), *split])
+                     ["--hf-dir", hf_dir, "--mcore-dir", str(mcore), *split])
     assert "OK" in proc.stdout, proc.stdout
     other = transformers_made(arch, tmp_path / "other", seed=8)
     with pytest.raises(AssertionError, match=VERIFY_FAILED):
         run_ranks("tools/verify_conversion.py", 2,
-                     ["--hf-dir", other, "--mcore-dir", str(mcore), *split])
+                  ["--hf-dir", other, "--mcore-dir", str(mcore), *split])
 
 
 def test_converted_checkpoint_verifies_at_another_layout(tiny_qwen2_dir, tmp_path):
@@ -146,8 +146,8 @@ def test_converted_checkpoint_verifies_at_another_layout(tiny_qwen2_dir, tmp_pat
     assert tool("tools/convert_hf_to_mcore.py", "--hf-dir", tiny_qwen2_dir,
                 "--out-dir", mcore).returncode == 0
     proc = run_ranks("tools/verify_conversion.py", 4, ["--hf-dir", tiny_qwen2_dir,
-                                                          "--mcore-dir", mcore, "--tp", "2",
-                                                          "--pp", "2"])
+                                                       "--mcore-dir", mcore, "--tp", "2",
+                                                       "--pp", "2"])
     assert "TP=2 PP=2" in proc.stdout and "OK" in proc.stdout
     # (that the check fails on another checkpoint's weights, split over TP2 and over EP2, is
     # test_a_checkpoint_made_by_transformers_round_trips_and_verifies's)
@@ -161,7 +161,7 @@ def test_converted_moe_checkpoint_verifies_with_experts_split(tiny_qwen3_moe_dir
                 "--out-dir", mcore).returncode == 0
     for args in (["--ep", "2"], ["--tp", "2"]):
         proc = run_ranks("tools/verify_conversion.py", 2,
-                            ["--hf-dir", tiny_qwen3_moe_dir, "--mcore-dir", mcore, *args])
+                         ["--hf-dir", tiny_qwen3_moe_dir, "--mcore-dir", mcore, *args])
         assert "OK" in proc.stdout, proc.stdout
 
 

@@ -37,8 +37,9 @@ Siblings ask the same of LoRA (rank-8 adapters at 10x the lr, each update merged
 engine's weights: on the Intel Xeon at S = 0 a rise of 0.33 at 5.3x noise, where the full run
 rises 0.28 at 3.8x; sampled through vLLM's LoRA instead, 0.33 at 5.3x too), of one-step-off
 rollout (``trainer.max_staleness=1``: each step's batch partly generated under the previous
-weights, the rollout correction weighing every token by the version that sampled it), and of a mixture-of-experts actor (the tiny Qwen3-MoE) whose updates
-are routed through the rollout engine's experts.
+weights, the rollout correction weighing every token by the version that sampled it), and of a
+mixture-of-experts actor (the tiny Qwen3-MoE) whose updates are routed through the rollout
+engine's experts.
 """
 import inspect
 import json
