@@ -96,7 +96,7 @@ if [ "${RLEP_INSTALLER:-uv}" != "pip" ]; then
             mapfile -t UV_ARGS < <(tail -n +2 <<< "$SETTINGS")
         fi
     else
-        echo "setup.sh: uv could not be installed; installing with pip" >&2
+        echo "setup.sh: uv could not be installed or given pip's settings; installing with pip" >&2
     fi
 fi
 # install "$@" with uv (bytecode compiled, as pip does) or with pip; uv failing hands this step,
