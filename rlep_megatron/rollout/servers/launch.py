@@ -8,10 +8,12 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -130,11 +132,16 @@ class LocalServer:
                    *serve_arguments(model_dir, cfg, port=self.port, host=host, **kwargs)]
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(command, env=serve_environment(
-                                            threads, cfg.server_log_requests,
-                                            lora=bool(kwargs.get("lora_rank"))),
-                                        stdout=self._log, stderr=subprocess.STDOUT,
-                                        preexec_fn=_die_with_parent)
+        env = serve_environment(threads, cfg.server_log_requests,
+                                lora=bool(kwargs.get("lora_rank")))
+        # vLLM's front end and its engine core meet on ZeroMQ sockets in VLLM_RPC_BASE_PATH
+        # (the temporary directory itself by default), which a server that does not shut down
+        # cleanly leaves behind: a directory of this server's own, removed when it stops
+        self._rpc_dir = None
+        if "VLLM_RPC_BASE_PATH" not in env:
+            self._rpc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="rlep-vllm-rpc-")
+        self.process = subprocess.Popen(command, env=env, stdout=self._log,
+                                        stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
     def log_tail(self, lines: int = 15) -> str:
         if not self.log_path or not os.path.exists(self.log_path):
@@ -172,6 +179,8 @@ class LocalServer:
                 self.process.wait()
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+        if self._rpc_dir:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
 
 
 def adapter_rank(cfg) -> int:
