@@ -9,9 +9,14 @@ alternate (``--rounds`` times):
   (``rlep_megatron.platform.vllm_cpu.cpu_kv_cache_bytes``);
 * ``launcher``: a 2-rank program (process group, one barrier) started by ``torchrun
   --standalone`` against ``tests.torchrun.run_ranks`` (the test programs' launcher): wall time
-  and the CPU time of every process of the launch.
+  and the CPU time of every process of the launch;
+* ``forkserver``: a 2-step ``rlep train`` of the e2e tests' settings on 2 ranks under torchrun
+  (``tests.e2e.helpers.run_rlep``), every process a new interpreter (``RLEP_TEST_FORKSERVER=0``)
+  against the launcher and ranks forked from the test suite's fork server (tests/forkserver.py,
+  started and ready before the first round): wall time and the CPU time of every process of the
+  job (the server's reaped children included).
 
-    python bench/startup_costs.py                      # all three, 3 rounds
+    python bench/startup_costs.py                      # all four, 3 rounds
     python bench/startup_costs.py --only heap kv_cache --rounds 5
 
 Printed: one row per measurement, round and way, then the medians.
@@ -30,7 +35,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 WAYS = {"heap": ("collect+freeze", "freeze"), "kv_cache": ("1 GiB", "sized"),
-        "launcher": ("torchrun", "run_ranks")}
+        "launcher": ("torchrun", "run_ranks"), "forkserver": ("new interpreters", "fork server")}
 
 
 def child_heap(way: str) -> dict:
@@ -91,6 +96,35 @@ def launcher(way: str, directory: str) -> dict:
     return {"seconds": seconds, "cpu_seconds": cpu}
 
 
+def _reaped_cpu_seconds(pid: int) -> float:
+    """The CPU time of the children that process ``pid`` has reaped (``/proc``: cutime +
+    cstime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
+
+def forkserver_job(way: str, directory: str, model: str, number: int) -> dict:
+    from tests import forkserver
+    from tests.e2e.helpers import recipe, run_rlep, small_task, train_overrides
+
+    task = small_task(os.path.join(directory, "task"))
+    server = forkserver.start_and_wait() if way == "fork server" else None
+    os.environ[forkserver.VARIABLE] = server.socket if server else "0"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    reaped = _reaped_cpu_seconds(server.pid) if server else 0.0
+    start = time.perf_counter()
+    run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
+              *train_overrides(model, task, os.path.join(directory, f"{way}-{number}"), 2)],
+             nproc=2)
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if server:
+        cpu += _reaped_cpu_seconds(server.pid) - reaped
+    return {"seconds": seconds, "cpu_seconds": cpu}
+
+
 def in_child(kind: str, way: str, model: str) -> dict:
     """``child_<kind>(way)`` in a fresh Python process; its result."""
     code = (f"import json, sys; sys.path.insert(0, {ROOT!r}); "
@@ -123,6 +157,8 @@ def main() -> None:
                 for way in WAYS[kind]:
                     if kind == "launcher":
                         row = launcher(way, directory)
+                    elif kind == "forkserver":
+                        row = forkserver_job(way, directory, model, number)
                     else:
                         row = in_child(kind, way, model)
                     results[kind][way].append(row)

@@ -1,4 +1,5 @@
-"""Entry point used by tests.torchrun.run_function: ``function_runner.py module:function JSON``."""
+"""Entry point used by tests.torchrun.run_function: ``python -m tests.function_runner
+module:function JSON``."""
 import importlib
 import json
 import os

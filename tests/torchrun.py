@@ -29,7 +29,8 @@ def _env(extra: Optional[dict[str, str]], gpu: bool = False) -> dict[str, str]:
 def run_ranks(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 600,
               env: Optional[dict[str, str]] = None, gpu: bool = False
               ) -> subprocess.CompletedProcess:
-    """``script args`` on ``nproc`` local ranks; raises with the output's tail when a rank fails
+    """``script args`` on ``nproc`` local ranks (``script``: a ``.py`` file, or a module run as
+    ``python -m``); raises with the output's tail when a rank fails
     or the run exceeds ``timeout_s``. ``gpu``: the ranks see the GPUs, and torchrun starts them
     (``torchrun --standalone --nproc-per-node nproc``). On CPU they are started here with the
     variables torchrun gives them (rank 0 hosts the store), without torchrun's launcher: a
@@ -38,7 +39,7 @@ def run_ranks(script: str, nproc: int, args: Sequence[str] = (), timeout_s: floa
     run under torchrun itself (tests/e2e/helpers.py)."""
     if gpu:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", script, *args]
+                   f"--nproc-per-node={nproc}", *_program(script), *args]
         try:
             proc = subprocess.run(command, cwd=REPO_ROOT, env=_env(env, gpu),
                                   capture_output=True, text=True, timeout=timeout_s)
@@ -55,6 +56,11 @@ def run_ranks(script: str, nproc: int, args: Sequence[str] = (), timeout_s: floa
     return proc
 
 
+def _program(script: str) -> list[str]:
+    """``script`` as Python's (and torchrun's) arguments: a file, or ``-m MODULE``."""
+    return [script] if script.endswith(".py") else ["-m", script]
+
+
 def _start_and_wait(script: str, nproc: int, args: list[str], env: dict[str, str],
                     timeout_s: float) -> subprocess.CompletedProcess:
     """The CPU side of :func:`run_ranks`: each rank's output to files of its own, joined in
@@ -64,6 +70,7 @@ def _start_and_wait(script: str, nproc: int, args: list[str], env: dict[str, str
     import time
 
     from rlep_megatron.rollout.servers.launch import free_port
+    from tests import forkserver
 
     port = free_port()  # for rank 0's store
     shared = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
@@ -76,7 +83,9 @@ def _start_and_wait(script: str, nproc: int, args: list[str], env: dict[str, str
             out, err = (open(os.path.join(logs, f"{rank}.{name}"), "w+") for name in ("out", "err"))
             files.append((out, err))
             ranks.append(subprocess.Popen(
-                [sys.executable, "-u", script, *args], cwd=REPO_ROOT, stdout=out, stderr=err,
+                [sys.executable, "-u", *forkserver.command([*_program(script), *args])],
+                cwd=REPO_ROOT,
+                stdout=out, stderr=err,
                 env=dict(shared, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)),
                 start_new_session=True))
         deadline, code = time.monotonic() + timeout_s, 0
@@ -174,8 +183,10 @@ def rlep_in_process(args: Sequence[str], cwd: Optional[str] = None
 def run_function(target: str, nproc: int, kwargs: Optional[dict[str, Any]] = None,
                  timeout_s: float = 600) -> subprocess.CompletedProcess:
     """Run ``package.module:function(**kwargs)`` on each of ``nproc`` ranks (:func:`run_ranks`)."""
-    runner = os.path.join(REPO_ROOT, "tests", "function_runner.py")
-    return run_ranks(runner, nproc, [target, json.dumps(kwargs or {})], timeout_s=timeout_s)
+    # run as a module: the tests/ directory first on sys.path would make tests/vllm/ the
+    # vllm package
+    return run_ranks("tests.function_runner", nproc, [target, json.dumps(kwargs or {})],
+                     timeout_s=timeout_s)
 
 
 def case_parser() -> "argparse.ArgumentParser":

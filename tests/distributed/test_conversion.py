@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import forkserver
 from tests.torchrun import REPO_ROOT, run_tool_in_process, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -22,7 +23,8 @@ def tool(script, *args):
 
 def program(*args, timeout=300):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, *args, "--no-progress"], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, *forkserver.command([*args, "--no-progress"])],
+                          cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,4 +1,5 @@
 """The Ray scorer backend: a hanging answer is cancelled at the timeout, the rest are scored."""
+import os
 import time
 
 import pytest
@@ -7,6 +8,16 @@ from rlep_megatron.reward import ScoreRequest, make_scorer_pool
 from tests import requires
 
 pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """``ray.init`` in this process sets variables in its environment (``PYTHONBREAKPOINT``,
+    ``RAY_*``) that every job a later test starts would inherit: put back as they were."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def test_ray_pool_times_out_a_hang():

@@ -14,6 +14,7 @@ import pytest
 from rlep_megatron.data.schema import read_prompt_file
 from rlep_megatron.replay.writer import pool_rows, write_pool
 from rlep_megatron.tiny_task import make_tiny_task
+from tests import forkserver
 from tests.torchrun import REPO_ROOT, _env, once_per_run
 
 CONTRACT_KEYS = ["step", "rollout/reward_mean", "rollout/acc_mean", "rollout/response_len_mean",
@@ -74,14 +75,15 @@ JOB_TIMEOUT_S = 420
 def run_rlep(args: list[str], nproc: int = 1, timeout_s: float = JOB_TIMEOUT_S,
              check: bool = True, env: dict[str, str] | None = None
              ) -> subprocess.CompletedProcess:
-    """``rlep <args>`` (under torchrun for ``nproc`` > 1), its output captured; a job still
+    """``rlep <args>`` (under torchrun for ``nproc`` > 1; the launcher and each rank forked
+    from the test process's fork server, tests/forkserver.py), its output captured; a job still
     running after ``timeout_s`` is killed with every process it started, and the test fails
     with the tail of its output."""
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", "-m", "rlep_megatron.cli", *args]
-    else:
-        command = [sys.executable, "-m", "rlep_megatron.cli", *args]
+    program = forkserver.command(["-m", "rlep_megatron.cli", *args])
+    if nproc > 1:  # the launcher forked too; torchrun's -m when the ranks are not
+        program = forkserver.command(["-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc-per-node={nproc}", *program])
+    command = [sys.executable, *program]
     job = subprocess.Popen(command, cwd=REPO_ROOT, env=_env(env), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -11,7 +11,7 @@ import torch
 
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
 from rlep_megatron.tiny_model import make_tiny_model
-from tests import requires
+from tests import forkserver, requires
 from tests.torchrun import REPO_ROOT, _env, once_per_run
 
 pytestmark = pytest.mark.vllm
@@ -26,8 +26,9 @@ def run(tiny_qwen2_dir, tmp_path_factory):
     def make(root):
         other = make_tiny_model(str(root / "tiny-qwen2-seed1"), seed=1, arch="qwen2")
         out = root / "out.json"
-        proc = subprocess.run([sys.executable, "tests/vllm/carry_over_program.py",
-                               tiny_qwen2_dir, other, str(out)], cwd=REPO_ROOT, env=_env(None),
+        proc = subprocess.run([sys.executable, *forkserver.command([
+                               "tests/vllm/carry_over_program.py", tiny_qwen2_dir, other,
+                               str(out)])], cwd=REPO_ROOT, env=_env(None),
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
         return {"other": other, "report": json.load(open(out))}

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests import requires
+from tests import forkserver, requires
 from tests.torchrun import REPO_ROOT, _env, once_per_run
 
 pytestmark = [pytest.mark.vllm]
@@ -28,8 +28,9 @@ def report(tmp_path_factory, tiny_qwen2_dir):
     """The program's report, made once per test run (its tests may land on two workers)."""
     def make(tmp):
         out, log = tmp / "report.json", tmp / "server.log"
-        proc = subprocess.run([sys.executable, "-m", "tests.vllm.server_program", "--hf-dir",
-                               tiny_qwen2_dir, "--out", str(out), "--log", str(log)],
+        proc = subprocess.run([sys.executable, *forkserver.command([
+                               "-m", "tests.vllm.server_program", "--hf-dir", tiny_qwen2_dir,
+                               "--out", str(out), "--log", str(log)])],
                               cwd=REPO_ROOT, env=_env(None), capture_output=True, text=True,
                               timeout=900)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

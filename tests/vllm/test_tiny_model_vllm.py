@@ -10,7 +10,7 @@ import torch
 
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
 from tests.torchrun import REPO_ROOT, once_per_run
-from tests import requires
+from tests import forkserver, requires
 
 pytestmark = pytest.mark.vllm
 
@@ -31,7 +31,8 @@ def samples_files(request, tmp_path_factory) -> dict[str, str]:
         pairs = [item for arch in ARCHS
                  for item in (request.getfixturevalue(f"tiny_{arch}_dir"), outs[arch])]
         env = dict(os.environ, PYTHONPATH=REPO_ROOT, CUDA_VISIBLE_DEVICES="")
-        proc = subprocess.run([sys.executable, "tests/vllm/vllm_generate.py", *pairs],
+        proc = subprocess.run([sys.executable,
+                               *forkserver.command(["tests/vllm/vllm_generate.py", *pairs])],
                               cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                               timeout=900)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
