@@ -25,7 +25,7 @@ import tempfile
 import pytest
 import torch
 
-from tests import requires
+from tests import forkserver, requires
 from tests.e2e.helpers import read_jsonl, recipe, reference_pool, small_task, train_overrides
 from tests.torchrun import REPO_ROOT, _env
 
@@ -108,11 +108,14 @@ def run_case(root: str, layout: str, packed: bool, hf_dir: str, task, pool: str)
 def run_in(code_dir: str, args: list[str], nproc: int, out: str) -> dict:
     """``rlep`` ``args`` with the package of ``code_dir``; the metrics but timings, and the final
     checkpoint's weight digests."""
+    # forked from the fork server (tests/forkserver.py) for this tree, the recorded values
+    # made by new interpreters: forked ranks must train bit for bit as those; the pre-split
+    # commit's tree, another copy of the package, is declined by the server and starts anew
+    program = forkserver.command(["-m", "rlep_megatron.cli", *args])
     if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", "-m", "rlep_megatron.cli", *args]
-    else:
-        command = [sys.executable, "-m", "rlep_megatron.cli", *args]
+        program = forkserver.command(["-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc-per-node={nproc}", *program])
+    command = [sys.executable, *program]
     env = _env(None)
     env["PYTHONPATH"] = code_dir + os.pathsep + REPO_ROOT
     if code_dir != REPO_ROOT:
