@@ -76,6 +76,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_collection_finish(session):
+    """The fork server (tests/forkserver.py) starts its imports now, in the background, when
+    this process will run tests that start programs: their first programs are then forked too."""
+    if any(_tier(item) in _TIER_ORDER for item in session.items):
+        from tests import forkserver
+
+        forkserver.start()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

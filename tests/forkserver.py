@@ -21,7 +21,8 @@ draws its own), and no import-time output.
 Tests of a program's own start-up (the README's commands, the import probes, the device
 choice) start their programs themselves. ``RLEP_TEST_FORKSERVER=0`` turns it off.
 
-Started by :func:`command` (``python -u -m tests.forkserver SOCKET``).
+Started by :func:`start` (``python -u -m tests.forkserver SOCKET``): tests/conftest.py starts it
+when a worker's tests include tiers that start programs, else the first :func:`command` does.
 """
 from __future__ import annotations
 
@@ -404,9 +405,15 @@ def command(python_args: list[str]) -> list[str]:
     finished its imports (about 9 CPU-seconds), the client starts the program itself."""
     if os.environ.get(VARIABLE) == "0":
         return list(python_args)
-    if _server is None:
-        _start()
+    start()
     return [CLIENT, *python_args]
+
+
+def start() -> None:
+    """Start this process's server in the background unless it runs or is turned off
+    (tests/conftest.py, once the tests that start programs are collected)."""
+    if _server is None and os.environ.get(VARIABLE) != "0":
+        _start()
 
 
 class Server(NamedTuple):
