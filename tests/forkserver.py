@@ -15,9 +15,12 @@ What a fork cannot give is declined, and the client starts a new interpreter ins
 variable that the imports or the interpreter's start read (``VLLM_*``, ``TORCH*``, ``HF_*``,
 ``PYTHON*``, ...) with another value than the server's; ``RLEP_FAULT_INJECT=kill@...`` (its
 kills find the launcher as the rank's parent process); a module the server imported that the
-program's ``sys.path`` would find elsewhere (another checkout first on ``PYTHONPATH``). What a
-fork gives differently: one string hash seed for all children of a server (a new interpreter
-draws its own), and no import-time output.
+program's ``sys.path`` would find elsewhere (another checkout first on ``PYTHONPATH``); no
+``OMP_NUM_THREADS`` (torch's default thread count is not the server's). What a fork gives
+differently: one string hash seed for all children of a server (a new interpreter draws its
+own), the server's umask, limits and CPU affinity, and no import-time output (the server's log
+has it). When a client is gone (it ended or was killed) while its program runs, the server
+kills the program's process group and descendants.
 Tests of a program's own start-up (the README's commands, the import probes, the device
 choice) start their programs themselves. ``RLEP_TEST_FORKSERVER=0`` turns it off.
 
@@ -46,37 +49,33 @@ CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver_cl
 _BOUND_PREFIXES = ("VLLM_", "TORCH", "PYTORCH_", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO",
                    "DNNL_", "ONEDNN_", "ATEN_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_",
                    "TOKENIZERS_", "CUDA_", "NCCL_", "TRITON_", "PYTHON", "LD_",
-                   "MALLOC_", "LC_", "RAY_", "MEGATRON_", "NVIDIA_", "TMPDIR", "HOME", "LANG")
+                   "MALLOC_", "LC_", "RAY_", "MEGATRON_", "NVIDIA_", "TMPDIR", "HOME", "LANG",
+                   "XDG_", "USE_TF", "USE_TORCH", "TZ")
+# OMP_NUM_THREADS: set again in the child (a child without it is declined: torch's default
+# thread count is not the server's)
 _FREE = {"OMP_NUM_THREADS", "PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONBREAKPOINT",
-         "CUDA_VISIBLE_DEVICES", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+         "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 _FREE_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 # ... and the project's own that are read at import
 _BOUND = {"RLEP_SHOW_ALL_WARNINGS"}
 
 
 def preload() -> None:
-    """Import what every rank imports (module doc); the project's platform package first, as
-    in a job (it sets vLLM's log level before vLLM is imported)."""
+    """Import what every rank imports (module doc): the project's platform package first, as
+    in a job (it sets vLLM's log level before vLLM is imported), megatron-core's modules that
+    the CPU shim imports in every rank (rlep_megatron.platform.megatron_shim), then the rest."""
     import importlib
-    import pkgutil
 
-    import rlep_megatron.platform  # noqa: F401  (torch, its library filters)
-    import torch  # noqa: F401
-    import megatron.core
+    from rlep_megatron.platform import megatron_shim
 
-    for info in pkgutil.walk_packages(megatron.core.__path__, "megatron.core."):
-        if ".tests" in info.name or "experimental" in info.name:
-            continue
-        try:
-            importlib.import_module(info.name)
-        except Exception:  # noqa: BLE001 - an optional part's missing dependency
-            pass
+    for _module in megatron_shim._megatron_modules():
+        pass
     for name in ("transformers", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine",
                  "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "safetensors.torch",
                  "pyarrow.parquet", "psutil", "yaml"):
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - an optional part's missing dependency
             pass
 
 
@@ -85,6 +84,8 @@ def declined(env: dict[str, str], base: dict[str, str], imported: dict[str, str]
     """Why a fork cannot stand in for a new interpreter with ``env`` (module doc), or None.
     ``base``: the server's environment before its imports; ``imported``: what they set (a
     program that a forked child starts, torchrun's ranks, inherits it)."""
+    if "OMP_NUM_THREADS" not in env:
+        return "OMP_NUM_THREADS is not set (torch's default thread count)"
     for name in sorted(set(env) | set(base)):
         if env.get(name) == base.get(name) or (
                 name in imported and env.get(name) == imported[name]):
@@ -106,19 +107,18 @@ def _streams(unbuffered: bool) -> None:
     kept from the server writes through to the same descriptor."""
     import io
 
-    def text(fd: int, mode: str, line: bool, through: bool, errors: str):
-        raw = io.FileIO(fd, mode, closefd=False)
-        binary = raw if (through and mode == "wb") else (
-            io.BufferedWriter(raw) if mode == "wb" else io.BufferedReader(raw))
-        return io.TextIOWrapper(binary, encoding="utf-8", errors=errors,
-                                line_buffering=line, write_through=through)
+    if unbuffered or os.environ.get("PYTHONUNBUFFERED"):
+        return  # the server's own (it runs with -u): objects that the imports hold (a logging
+        #         handler's stream) stay those of sys.stdout and sys.stderr
 
-    unbuffered = unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))
-    if unbuffered:  # the server's own (it runs with -u): objects that the imports hold (a
-        return      # logging handler's stream) stay those of sys.stdout and sys.stderr
-    sys.stdin = sys.__stdin__ = text(0, "rb", False, False, "strict")
-    sys.stdout = sys.__stdout__ = text(1, "wb", os.isatty(1), unbuffered, "strict")
-    sys.stderr = sys.__stderr__ = text(2, "wb", not unbuffered, unbuffered, "backslashreplace")
+    def text(fd: int, mode: str, line: bool, errors: str):
+        raw = io.FileIO(fd, mode, closefd=False)
+        binary = io.BufferedWriter(raw) if mode == "wb" else io.BufferedReader(raw)
+        return io.TextIOWrapper(binary, encoding="utf-8", errors=errors, line_buffering=line)
+
+    sys.stdin = sys.__stdin__ = text(0, "rb", False, "strict")
+    sys.stdout = sys.__stdout__ = text(1, "wb", os.isatty(1), "strict")
+    sys.stderr = sys.__stderr__ = text(2, "wb", True, "backslashreplace")
 
 
 def _fresh_state(request: dict, base_path: list[str], handlers: dict) -> None:
@@ -141,6 +141,7 @@ def _fresh_state(request: dict, base_path: list[str], handlers: dict) -> None:
     import multiprocessing.process
 
     multiprocessing.process.current_process().authkey = os.urandom(32)
+    multiprocessing.process.ORIGINAL_DIR = os.getcwd()
     if "torch" in sys.modules:  # libgomp read the server's OMP_NUM_THREADS when it loaded
         threads = os.environ.get("OMP_NUM_THREADS")
         sys.modules["torch"].set_num_threads(int(threads) if threads else
@@ -186,34 +187,7 @@ def _imported_elsewhere(path: list[str]) -> str | None:
     return None
 
 
-def _die_with_client(connection: socket.socket) -> None:
-    """A thread that waits for the client to close the connection (it ended, or was killed) and
-    then SIGKILLs this program with every process it started, as the client's own killing would
-    have done to a program that was its child."""
-    import threading
-
-    def watch():
-        try:
-            while connection.recv(4096):
-                pass
-        except OSError:
-            pass
-        try:
-            import psutil
-
-            for process in psutil.Process().children(recursive=True):
-                try:
-                    process.send_signal(signal.SIGKILL)
-                except psutil.Error:
-                    pass
-        finally:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="forkserver-client-watch", daemon=True).start()
-
-
-def _run_child(request: dict, connection: socket.socket, base_path: list[str],
-               handlers: dict) -> None:
+def _run_child(request: dict, base_path: list[str], handlers: dict) -> None:
     """In the forked child: become the program, run it, end as the interpreter would."""
     import runpy
     import threading
@@ -221,10 +195,9 @@ def _run_child(request: dict, connection: socket.socket, base_path: list[str],
 
     code = 1
     try:
-        os.setsid()
-        _streams(request["unbuffered"])
+        os.setsid()  # a group of its own, which the server kills when the client is gone
         _fresh_state(request, base_path, handlers)
-        _die_with_client(connection)
+        _streams(request["unbuffered"])
         argv = request["argv"]
         try:
             if argv[0] == "-m":
@@ -237,7 +210,7 @@ def _run_child(request: dict, connection: socket.socket, base_path: list[str],
                 sys.modules["__main__"] = main
                 exec(compile(argv[1], "<string>", "exec"), main.__dict__)
             else:
-                runpy.run_path(argv[0], run_name="__main__")
+                runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
             code = 0
         except SystemExit as exit_:
             if exit_.code is None:
@@ -249,7 +222,7 @@ def _run_child(request: dict, connection: socket.socket, base_path: list[str],
                 code = 1
         except KeyboardInterrupt:
             traceback.print_exc()
-            code = 128 + signal.SIGINT
+            code = -signal.SIGINT  # a new interpreter ends killed by SIGINT
         except BaseException:  # noqa: BLE001 - printed as the interpreter prints it
             sys.excepthook(*sys.exc_info())
             code = 1
@@ -268,26 +241,192 @@ def _run_child(request: dict, connection: socket.socket, base_path: list[str],
                 stream.flush()
             except BaseException:  # noqa: BLE001
                 pass
+        if code == -signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code & 0xFF)
 
 
 def _read_request(connection: socket.socket) -> tuple[dict, list[int]]:
+    """The client's request and its three file descriptors (closed here on a bad request)."""
     connection.settimeout(10)
     head, fds, _flags, _addr = socket.recv_fds(connection, 4, 3)
-    while len(head) < 4:
-        more = connection.recv(4 - len(head))
-        if not more:
-            raise ConnectionError("the client closed before its request")
-        head += more
-    size = struct.unpack("!I", head)[0]
-    body = b""
-    while len(body) < size:
-        more = connection.recv(size - len(body))
-        if not more:
-            raise ConnectionError("the client closed during its request")
-        body += more
+    try:
+        while len(head) < 4:
+            more = connection.recv(4 - len(head))
+            if not more:
+                raise ConnectionError("the client closed before its request")
+            head += more
+        size = struct.unpack("!I", head)[0]
+        body = b""
+        while len(body) < size:
+            more = connection.recv(size - len(body))
+            if not more:
+                raise ConnectionError("the client closed during its request")
+            body += more
+        request = json.loads(body)
+        if len(fds) != 3 or not {"argv", "env", "cwd", "unbuffered"} <= set(request):
+            raise ValueError("a request needs argv, env, cwd, unbuffered and 3 descriptors")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     connection.settimeout(None)
-    return json.loads(body), fds
+    return request, fds
+
+
+class _Server:
+    """The accept, fork and reap loop of :func:`serve`."""
+
+    def __init__(self, path: str, base_env: dict, imported_env: dict, base_path: list[str]):
+        self.base_env, self.imported_env, self.base_path = base_env, imported_env, base_path
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path + ".tmp")
+        self.listener.listen(128)
+        os.rename(path + ".tmp", path)  # a client finds the socket only when it is served
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+        self.handlers = {number: signal.getsignal(number)
+                         for number in (signal.SIGCHLD, signal.SIGINT)}
+        signal.set_wakeup_fd(self.wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the suite; it ends this
+        signal.signal(signal.SIGTERM, self.terminate)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.selector.register(self.wake_read, selectors.EVENT_READ)
+        self.children: dict[int, socket.socket] = {}
+
+    def run(self, parent: int) -> None:
+        while os.getppid() == parent:
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.fileobj is self.listener:
+                    self.accept()
+                elif key.fileobj is self.wake_read:
+                    try:
+                        while os.read(self.wake_read, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
+                else:  # a client's connection: readable only when the client is gone
+                    self.client_gone(key.data, key.fileobj)
+            self.reap()
+        self.terminate()
+
+    def accept(self) -> None:
+        connection, _ = self.listener.accept()
+        try:
+            request, fds = _read_request(connection)
+        except (OSError, ValueError, ConnectionError):
+            connection.close()
+            return
+        try:
+            why = (declined(request["env"], self.base_env, self.imported_env)
+                   or _imported_elsewhere(_child_path(request, self.base_path)))
+            pid = None
+            if why is None:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    self.become_child(request, connection, fds)
+        except Exception as err:  # noqa: BLE001 - the client starts the program itself
+            why, pid = f"the server failed: {err!r}", None
+        for fd in fds:
+            os.close(fd)
+        if pid is None:
+            print(f"forkserver: declined {request['argv'][:2]}: {why}", flush=True)
+            _reply(connection, {"fallback": why})
+            connection.close()
+            return
+        print(f"forkserver: {pid} {' '.join(request['argv'][:3])}", flush=True)
+        self.children[pid] = connection
+        self.selector.register(connection, selectors.EVENT_READ, pid)
+        _reply(connection, {"pid": pid})
+
+    def become_child(self, request: dict, connection: socket.socket, fds: list[int]) -> None:
+        """In the forked child: the server's descriptors closed, the client's streams on 0, 1
+        and 2, then the program; never returns."""
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.selector.close()
+            self.listener.close()
+            os.close(self.wake_read)
+            os.close(self.wake_write)
+            for other in self.children.values():
+                other.close()
+            connection.close()
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            request["env"] = {**request["env"], **self.imported_env}
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        _run_child(request, self.base_path, self.handlers)
+
+    def client_gone(self, pid: int, connection: socket.socket) -> None:
+        """A client closed its connection (it ended or was killed) while its program runs: kill
+        the program's process group and everything it started, as the client's own killing
+        would have killed a program that was its child."""
+        try:
+            if connection.recv(4096):
+                return  # a client sends nothing after its request; ignored
+        except OSError:
+            pass
+        self.selector.unregister(connection)
+        kill_tree(pid)
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            connection = self.children.pop(pid, None)
+            if connection is None:
+                continue
+            try:
+                self.selector.unregister(connection)
+            except KeyError:  # its client is gone (client_gone)
+                pass
+            if os.WIFSIGNALED(status):
+                _reply(connection, {"signal": os.WTERMSIG(status)})
+            else:
+                _reply(connection, {"exit": os.WEXITSTATUS(status)})
+            connection.close()
+
+    def terminate(self, *_args) -> None:
+        """The server ends (SIGTERM, or its pytest worker is gone): its programs with it."""
+        for pid in list(self.children):
+            kill_tree(pid)
+        os._exit(0)
+
+
+def kill_tree(pid: int) -> list:
+    """SIGKILL every descendant of process ``pid``, the process group it leads (a forked
+    program leads one, or soon will) and the process itself; returns the descendants (psutil
+    processes, to wait for)."""
+    import psutil
+
+    try:
+        family = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    for process in family:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return family
 
 
 def serve(path: str, imports: bool = True) -> None:
@@ -305,68 +444,9 @@ def serve(path: str, imports: bool = True) -> None:
     imported_env = {k: v for k, v in os.environ.items() if base_env.get(k) != v}
     base_path = [p for p in sys.path[1:]
                  if p not in _pythonpath(os.environ.get("PYTHONPATH", ""), os.getcwd())]
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path + ".tmp")
-    listener.listen(128)
-    os.rename(path + ".tmp", path)  # a client finds the socket only when it is served
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    handlers = {number: signal.getsignal(number) for number in (signal.SIGCHLD, signal.SIGINT)}
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the suite; it ends this
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    selector.register(wake_read, selectors.EVENT_READ)
-    children: dict[int, socket.socket] = {}
+    server = _Server(path, base_env, imported_env, base_path)
     print(f"forkserver: ready in {time.process_time():.1f} CPU-s", flush=True)
-    while os.getppid() == parent:
-        for key, _ in selector.select(timeout=1.0):
-            if key.fileobj is listener:
-                connection, _ = listener.accept()
-                try:
-                    request, fds = _read_request(connection)
-                except (OSError, ValueError, ConnectionError):
-                    connection.close()
-                    continue
-                why = (declined(request["env"], base_env, imported_env)
-                       or _imported_elsewhere(_child_path(request, base_path)))
-                if why is not None:
-                    for fd in fds:
-                        os.close(fd)
-                    print(f"forkserver: declined {request['argv'][:2]}: {why}", flush=True)
-                    _reply(connection, {"fallback": why})
-                    connection.close()
-                    continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    selector.close()
-                    listener.close()
-                    os.close(wake_read)
-                    os.close(wake_write)
-                    for other in children.values():
-                        other.close()
-                    for target, fd in enumerate(fds):
-                        os.dup2(fd, target)
-                        os.close(fd)
-                    request["env"] = {**request["env"], **imported_env}
-                    _run_child(request, connection, base_path, handlers)
-                for fd in fds:
-                    os.close(fd)
-                print(f"forkserver: {pid} {' '.join(request['argv'][:3])}", flush=True)
-                children[pid] = connection
-                _reply(connection, {"pid": pid})
-            else:
-                try:
-                    while os.read(wake_read, 512):
-                        pass
-                except BlockingIOError:
-                    pass
-        _reap(children)
+    server.run(parent)
 
 
 def _reply(connection: socket.socket, message: dict) -> None:
@@ -374,24 +454,6 @@ def _reply(connection: socket.socket, message: dict) -> None:
         connection.sendall(json.dumps(message).encode() + b"\n")
     except OSError:  # the client is gone; its program has killed itself, or will
         pass
-
-
-def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        connection = children.pop(pid, None)
-        if connection is None:
-            continue
-        if os.WIFSIGNALED(status):
-            _reply(connection, {"signal": os.WTERMSIG(status)})
-        else:
-            _reply(connection, {"exit": os.WEXITSTATUS(status)})
-        connection.close()
 
 
 _server = None
@@ -463,11 +525,12 @@ def _stop(directory: str) -> None:
     import shutil
 
     if _server is not None and _server.poll() is None:
-        _server.terminate()
+        _server.terminate()  # it kills the programs it still runs
         try:
             _server.wait(10)
         except Exception:  # noqa: BLE001
             _server.kill()
+            _server.wait()
     shutil.rmtree(directory, ignore_errors=True)
 
 

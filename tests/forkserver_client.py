@@ -6,9 +6,9 @@ already imported torch, megatron-core, transformers and vLLM, as if ``python -m 
 This process stands in for the program: it hands the server its command line, environment,
 working directory and standard streams, passes on the signals it gets (SIGTERM, SIGINT, ...),
 and ends as the program ends, with its exit code or killed by the same signal. When this process
-dies, the program kills itself and everything it started. Without a server (the variable unset,
-the server gone) or when the server declines (an environment that its imports would have read
-differently), the program is started here as a new interpreter instead.
+dies, the server kills the program's process group and everything it started. Without a server
+(the variable unset, the server gone) or when the server declines (an environment that its
+imports would have read differently), the program is started here as a new interpreter instead.
 
 Only the standard library: this starts in a few tens of milliseconds.
 """
@@ -68,11 +68,17 @@ def main():
         run_here(argv, unblock=True)
     pid = first["pid"]
 
+    # torchrun and the tests end a program by signalling the group this process leads
+    # (killpg): the program's own group (it leads one) gets the signal then
+    group = os.getpgrp() == os.getpid()
+
     def relay(number, _frame):
-        try:
-            os.kill(pid, number)
-        except ProcessLookupError:
-            pass
+        for kill in ((os.killpg, os.kill) if group else (os.kill,)):
+            try:
+                kill(pid, number)
+                return
+            except ProcessLookupError:  # no group yet (the program is starting), or gone
+                pass
 
     for number in RELAYED:
         signal.signal(number, relay)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -129,22 +128,12 @@ def recipe(name: str) -> str:
 
 def kill_job(proc) -> None:
     """SIGKILL a torchrun job started in a session of its own: every descendant (torchrun
-    starts each worker in a session of its own), then torchrun."""
+    starts each worker in a session of its own), then torchrun. A program forked from the fork
+    server is not a descendant: the server kills it, with its own descendants, once its client
+    here is dead (tests/forkserver.py)."""
     import psutil
 
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    for process in family:
-        try:
-            process.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    family = forkserver.kill_tree(proc.pid)
     proc.wait()
     psutil.wait_procs(family, timeout=30)
 

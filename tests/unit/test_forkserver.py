@@ -33,6 +33,12 @@ elif what == "term":
     signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), sys.exit(5)))
     print(os.getpid(), flush=True)
     time.sleep(60)
+elif what == "interrupt":
+    raise KeyboardInterrupt
+elif what == "busy":  # holds the GIL for minutes (catastrophic backtracking in C)
+    import re
+    print(os.getpid(), flush=True)
+    re.match(r"(a+)+$", "a" * 40 + "b")
 elif what == "family":
     import subprocess
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -71,9 +77,11 @@ def program(tmp_path):
 
 
 def _env(extra=None, **variables):
-    env = dict(os.environ, **variables)
+    """The environment of a program the suite starts (one torch thread), with ``variables``
+    and ``extra``; a ``None`` value unsets that variable."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **variables)
     env.update(extra or {})
-    return env
+    return {name: value for name, value in env.items() if value is not None}
 
 
 def _run(args, env, cwd, client: bool, unbuffered=False):
@@ -104,13 +112,17 @@ def test_a_forked_program_starts_as_a_new_interpreter_would(server, program, as_
     assert forked_err == fresh_err == "to stderr\n"
 
 
-@pytest.mark.parametrize("what, code, text", [("exit", 7, ""), ("raise", 1, "ValueError: raised"),
-                                              ("kill", -signal.SIGKILL, "")])
-def test_the_client_ends_as_the_program_ends(server, program, what, code, text):
-    env = _env(PROBE=what, **{VARIABLE: server})
-    proc, _, err = _run([str(program / "scripts" / "probe.py")], env, str(program), client=True)
-    assert proc.returncode == code, err
-    assert text in err
+@pytest.mark.parametrize("what", ["exit", "raise", "kill", "interrupt"])
+def test_the_client_ends_as_the_program_ends(server, program, what):
+    """Its exit code or the signal it died of, as the same program run as a new interpreter."""
+    env = _env(PROBE=what)
+    fresh, _, fresh_err = _run([str(program / "scripts" / "probe.py")], env, str(program),
+                               client=False)
+    proc, _, err = _run([str(program / "scripts" / "probe.py")], dict(env, **{VARIABLE: server}),
+                        str(program), client=True)
+    assert proc.returncode == fresh.returncode, err
+    assert fresh.returncode != 0
+    assert err.splitlines()[-1:] == fresh_err.splitlines()[-1:]
 
 
 def test_signals_to_the_client_reach_the_program(server, program):
@@ -124,17 +136,39 @@ def test_signals_to_the_client_reach_the_program(server, program):
     assert proc.stdout.read() == "got SIGTERM\n"
 
 
-def test_a_killed_client_takes_the_program_and_what_it_started_with_it(server, program):
+@pytest.mark.parametrize("how", ["client SIGKILL", "group SIGTERM"])
+def test_a_killed_client_takes_the_program_and_what_it_started_with_it(server, program, how):
+    """SIGKILL of the client (a test's kill_job): the server kills the program's group and
+    descendants; SIGTERM to the client's process group (torchrun ending a worker): the
+    program's group gets it, its child included, as a new interpreter's group would."""
     env = _env(PROBE="family", **{VARIABLE: server})
     proc = subprocess.Popen([sys.executable, CLIENT, str(program / "scripts" / "probe.py")],
-                            env=env, stdout=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     child, sleeper = (int(word) for word in proc.stdout.readline().split())
-    proc.kill()
+    if how == "client SIGKILL":
+        proc.kill()
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+    _assert_gone(child, sleeper)
+
+
+def test_a_program_that_holds_the_gil_dies_with_its_client(server, program):
+    env = _env(PROBE="busy", **{VARIABLE: server})
+    proc = subprocess.Popen([sys.executable, CLIENT, str(program / "scripts" / "probe.py")],
+                            env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(proc.stdout.readline())
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert proc.stdout.read() == ""  # the pipe ends: nothing holds it open
+    _assert_gone(child)
+
+
+def _assert_gone(*pids: int) -> None:
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in (child, sleeper)) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child) and not _alive(sleeper)
+    assert not any(_alive(pid) for pid in pids)
 
 
 def _alive(pid: int) -> bool:
@@ -146,8 +180,10 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("variables", [{"VLLM_SOMETHING": "1"}, {"RLEP_FAULT_INJECT": "kill@x:1"},
+                                       {"OMP_NUM_THREADS": None},
                                        {VARIABLE: "/nonexistent/socket"}],
-                         ids=["an import's variable", "a kill fault", "no server"])
+                         ids=["an import's variable", "a kill fault", "torch's default threads",
+                              "no server"])
 def test_what_a_fork_cannot_give_runs_as_a_new_interpreter(server, program, variables):
     env = _env(variables, **{VARIABLE: server})
     proc, out, err = _run([str(program / "scripts" / "probe.py")], env, str(program),
