@@ -38,7 +38,7 @@ elif what == "interrupt":
 elif what == "busy":  # holds the GIL for minutes (catastrophic backtracking in C)
     import re
     print(os.getpid(), flush=True)
-    re.match(r"(a+)+$", "a" * 40 + "b")
+    re.match(r"(a+)+$", "a" * 32 + "b")
 elif what == "family":
     import subprocess
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
