@@ -464,7 +464,8 @@ def command(python_args: list[str]) -> list[str]:
     """The arguments after ``python`` that run ``python python_args`` through this test
     process's fork server (``python CLIENT python_args``), starting the server on the first
     call; ``python_args`` themselves with ``RLEP_TEST_FORKSERVER=0``. Until the server has
-    finished its imports (about 9 CPU-seconds), the client starts the program itself."""
+    finished its imports (6.6-8.5 CPU-seconds in the logs of bench/RESULTS.md's runs), the
+    client starts the program itself."""
     if os.environ.get(VARIABLE) == "0":
         return list(python_args)
     start()
