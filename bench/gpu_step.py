@@ -17,10 +17,12 @@ replay (M = 1), reward, the actor's old log-probs, training, the train state off
 the rollout and restored for the update (``optim.offload_during_rollout``), a checkpoint after
 step ``steps - 1`` and a second ``rlep train`` that resumes from it for the last step. Printed
 per shape: the mean seconds of each phase (``timing/*_s``), the largest
-``memory/max_allocated_gib`` of a step against ``rlep plan``'s peaks for the same config, and
+``memory/max_allocated_gib`` of the steps that are not a process's first against ``rlep
+plan``'s peaks for the same config (the first steps, holding the start-up too, beside it), and
 ``rollout/logprob_abs_diff`` (the engine's bf16 decoding against the actor's bf16 forward). A
 row ends ``OK`` or ``FAILED (why)``; the last line of each shape starts ``gpu_step row:`` (what
-gpu_check.sh puts in its table).
+gpu_check.sh puts in its table). Each run's whole output is in ``--out``/SHAPE/*.log; a failed
+run's last lines are printed too.
 
 Without a GPU the program prepares everything (model, task, pool, ``rlep plan``), then stops at
 ``rlep train``'s device check (the first CUDA call) and exits 2 saying so: that is what its CPU
@@ -44,6 +46,7 @@ PHASES = ("rollout", "reward", "old_logprob", "train", "weight_sync", "checkpoin
 # gave 1.3e-2 on the tiny Qwen2. A random model's near-uniform attention hides such bugs more
 # than a trained one's, hence a bound this close; a GPU's own bf16 level is not measured yet.
 MAX_LOGPROB_DIFF = 5e-3
+FAILED_LINES = 60  # of a failed run's output, printed
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -94,13 +97,35 @@ def one_line(log: str) -> str:
     return " / ".join(line.strip() for line in log.strip().splitlines()[-6:])[-600:]
 
 
-def rlep(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+def failed(name: str, log: str, path: str) -> None:
+    """A failed run's last lines on stdout (gpu_check.sh keeps them in its log and prints
+    them; a lent machine's files are gone once it is given back), the whole output in
+    ``path``."""
+    tail = log.strip().splitlines()[-FAILED_LINES:]
+    print(f"gpu_step: {name} failed; its last {len(tail)} lines (all of them: {path}):",
+          *(f"    {line}" for line in tail), sep="\n", flush=True)
+
+
+def rlep(args: list[str], timeout_s: float, log_path: str) -> subprocess.CompletedProcess:
+    """``rlep`` ``args``; its whole output also written to ``log_path``."""
     command = [sys.executable, "-m", "rlep_megatron.cli", *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                              timeout=max(1.0, timeout_s))
+    except subprocess.TimeoutExpired as error:
+        partial = [b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                   for b in (error.stdout, error.stderr)]
+        with open(log_path, "w") as f:
+            f.write("".join(partial))
+        failed(f"rlep {args[0]} (over {timeout_s:.0f} s)", "".join(partial), log_path)
+        raise
+    with open(log_path, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return proc
 
 
-def plan_peaks(config: list[str]) -> dict:
-    proc = rlep(["plan", "--json", *config], 120)
+def plan_peaks(config: list[str], timeout_s: float, log_path: str) -> dict:
+    proc = rlep(["plan", "--json", *config], min(120.0, timeout_s), log_path)
     if proc.returncode != 0:
         raise RuntimeError(f"rlep plan failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -125,10 +150,16 @@ def summarise(shape: str, entries: list[dict], plan: dict, resumed: bool, steps:
     replay = [e.get("replay/fraction", 0.0) for e in trained]
     if not all(r > 0 for r in replay):
         problems.append("a step without replays")
-    memory = max((e.get("memory/max_allocated_gib", float("nan")) for e in trained),
-                 default=float("nan"))
-    # the planner's peaks are what a run may reach (its overhead included): above them, the
-    # plan under-counts something
+    # a step's peak counts from the end of the step before: each process's first step
+    # (step 1, and the resumed step) also holds the start-up (the HF load, the checkpoint's
+    # load and the optimizer's first state), which rlep plan does not plan for
+    def peak(group):
+        return max((e.get("memory/max_allocated_gib", float("nan")) for e in group),
+                   default=float("nan"))
+    steady = [e for e in trained if e["step"] not in (1, steps)]
+    memory, start_up = peak(steady), peak([e for e in trained if e["step"] in (1, steps)])
+    # the planner's peaks are what a running job may reach (its overhead included): above
+    # them, the plan under-counts something
     if math.isfinite(memory) and memory > max(plan["train"], plan["rollout"]):
         problems.append(f"peak {memory:.2f} GiB above the plan's "
                         f"{max(plan['train'], plan['rollout']):.2f}")
@@ -136,8 +167,9 @@ def summarise(shape: str, entries: list[dict], plan: dict, resumed: bool, steps:
                        for p in PHASES)
     verdict = "OK" if not problems else "FAILED (" + "; ".join(problems) + ")"
     return (f"gpu_step row: {shape} | {verdict} | {len(trained)} steps, resumed at step "
-            f"{steps - 1}; logprob_abs_diff {diff:.2e}; peak {memory:.2f} GiB measured, plan "
-            f"train {plan['train']:.1f} / rollout {plan['rollout']:.1f} GiB; mean s: {phases}")
+            f"{steps - 1}; logprob_abs_diff {diff:.2e}; peak {memory:.2f} GiB measured "
+            f"(first steps with start-up {start_up:.2f}), plan train {plan['train']:.1f} / "
+            f"rollout {plan['rollout']:.1f} GiB; mean s: {phases}")
 
 
 def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
@@ -151,11 +183,15 @@ def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
     task, pool = make_task_and_pool(root)
     run = os.path.join(root, "run")
     config = ["--config", os.path.join(REPO, "examples", "tiny_cpu_rlep.yaml")]
-    plan = plan_peaks(config + overrides(model, task, pool, run, steps, device))
+    def left() -> float:
+        return timeout_s - (time.perf_counter() - started)
+    plan = plan_peaks(config + overrides(model, task, pool, run, steps, device), left(),
+                      os.path.join(root, "plan.log"))
     print(f"gpu_step: {shape}: prepared in {time.perf_counter() - started:.0f} s; plan peaks "
           f"{plan}", flush=True)
+    first_log = os.path.join(root, "first_run.log")
     first = rlep(["train", *config, *overrides(model, task, pool, run, steps - 1, device)],
-                 timeout_s - (time.perf_counter() - started))
+                 left(), first_log)
     if first.returncode != 0:
         log = first.stdout + first.stderr
         # rlep train's device check (platform.device.DeviceError): no usable GPU here
@@ -163,11 +199,14 @@ def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
         if refusal and device == "cuda":
             return 2, (f"gpu_step: {shape}: stopped at the first CUDA call (rlep train's "
                        f"device check): {refusal[-1].strip()}")
+        failed(f"{shape}: the first rlep train", log, first_log)
         return 1, f"gpu_step row: {shape} | FAILED (first run) | {one_line(log)}"
+    second_log = os.path.join(root, "resumed_run.log")
     second = rlep(["train", *config, *overrides(model, task, pool, run, steps, device)],
-                  timeout_s - (time.perf_counter() - started))
+                  left(), second_log)
     log = second.stdout + second.stderr
     if second.returncode != 0:
+        failed(f"{shape}: the resumed rlep train", log, second_log)
         return 1, f"gpu_step row: {shape} | FAILED (resumed run) | {one_line(log)}"
     with open(os.path.join(run, "metrics.jsonl")) as f:
         entries = [json.loads(line) for line in f]

@@ -28,7 +28,8 @@
 #
 # Before anything needs a GPU, a preflight checks the interpreter, the imports and the
 # collection of the GPU tests. Without a visible CUDA device the script stops after it and
-# says so (exit 2). PYTHON=path chooses the interpreter.
+# says so (exit 2). PYTHON=path chooses the interpreter; GPU_CHECK_LOG=file, where every step's
+# whole output goes (default: a new temporary file, named in the summary).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BARE=0
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --bare) BARE=1 ;;
         --wheels) WHEELS="$2"; shift ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (--bare, --wheels DIR)" >&2; exit 2 ;;
     esac
     shift
@@ -120,7 +121,7 @@ LIMITS=(150 45 45 45 190)  # the tests, the MoE bench, the two actor benches, th
 echo "gpu_check.sh: $DEVICE, torch $("$PYTHON" -c 'import torch; print(torch.__version__)');" \
      "at most $(( LIMITS[0] + LIMITS[1] + LIMITS[2] + LIMITS[3] + LIMITS[4] )) s from here"
 status=0
-LOG="$(mktemp)"
+LOG="${GPU_CHECK_LOG:-$(mktemp)}"
 summary() {
     echo
     echo "gpu_check.sh summary ($DEVICE; every step's output: $LOG)"

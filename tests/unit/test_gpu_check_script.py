@@ -59,3 +59,46 @@ def test_the_whole_step_program_runs_up_to_the_first_cuda_call(tmp_path):
     pool = read_prompt_file(str(root / "pool.parquet"))
     assert len(pool) == 32 and all(len(c) == 2 for c in pool.candidates)
 
+
+
+def _gpu_step():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_step", os.path.join(REPO_ROOT, "bench", "gpu_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_whole_step_row_holds_the_plan_to_the_steps_without_start_up():
+    """A step's memory peak counts from the step before, so each process's first step (1, and
+    the resumed step) also holds the HF or checkpoint load: reported beside the plan, and only
+    a steady step above the plan fails the row."""
+    summarise = _gpu_step().summarise
+
+    def step(n, gib):
+        return {"step": n, "timing/step_s": 1.0, "rollout/logprob_abs_diff": 1e-3,
+                "replay/fraction": 0.1, "memory/max_allocated_gib": gib}
+    plan = {"train": 4.0, "rollout": 3.0}
+    row = summarise("s", [step(1, 6.5), step(2, 3.5), step(3, 7.0)], plan, True, 3)
+    assert "| OK |" in row and "peak 3.50 GiB measured (first steps with start-up 7.00)" in row
+    row = summarise("s", [step(1, 2.0), step(2, 4.5), step(3, 2.0)], plan, True, 3)
+    assert "FAILED (peak 4.50 GiB above the plan's 4.00)" in row
+    # the parity bound and a missing resume fail it too
+    bad = step(2, 1.0) | {"rollout/logprob_abs_diff": 1e-2}
+    row = summarise("s", [step(1, 1.0), bad, step(3, 1.0)], plan, False, 3)
+    assert "rollout/logprob_abs_diff 0.01 > 0.005" in row and "did not resume" in row
+
+
+def test_a_failed_run_prints_its_last_lines_and_keeps_all_of_them(tmp_path, capsys):
+    """On a lent GPU machine only what is printed comes back: a failed rlep train's traceback
+    must be in the output, its whole log in a file."""
+    gpu_step = _gpu_step()
+    path = tmp_path / "run.log"
+    proc = gpu_step.rlep(["train", "--config", str(tmp_path / "missing.yaml")], 120, str(path))
+    assert proc.returncode != 0
+    gpu_step.failed("s: the first rlep train", proc.stdout + proc.stderr, str(path))
+    printed = capsys.readouterr().out
+    assert "missing.yaml" in printed and f"(all of them: {path})" in printed
+    assert path.read_text() == proc.stdout + proc.stderr
