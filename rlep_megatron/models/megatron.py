@@ -88,7 +88,7 @@ def transformer_config(hf_config: dict[str, Any], tensor_model_parallel_size: in
         # (the local spec's fused softmax needs kernels that only apex / Megatron-LM build).
         # No bias and no dropout leave bias-dropout-add nothing to fuse but the residual add,
         # and megatron's fused one is torch.compile'd: a Triton build on a GPU (a C compiler
-        # and Python's headers) and a recompile per decoding batch size, for nothing
+        # and Python's headers) and recompiles as the decoding batch shrinks, for nothing
         bias_dropout_fusion=False,
         masked_softmax_fusion=on_gpu and (use_te or platform.fused_softmax_available()),
         apply_rope_fusion=False,
