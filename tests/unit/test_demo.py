@@ -1,13 +1,12 @@
 """``rlep demo``'s report: curves across seeds, best/final spread, steps to the baseline's best,
 worked by hand on small curves."""
 import json
-import os
 import statistics
 
 import pytest
 
 from rlep_megatron.demo import band, comparison_table, plot_comparison, read_curves, summarise_arm
-from tests.torchrun import REPO_ROOT
+from tests import bench_module
 
 pytestmark = pytest.mark.unit
 
@@ -252,12 +251,7 @@ def test_replay_policy_bench_bins_questions_by_step0_pass_rate_worked_by_hand():
     """bench/replay_policies.py's difficulty table: questions binned by their pass rate at
     step 0, each arm's accuracy per bin (mean over the bin's questions, then over seeds) and
     its paired difference to the baseline."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "replay_policies", os.path.join(REPO_ROOT, "bench", "replay_policies.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("replay_policies")
 
     def q(*acc):
         return {"acc": list(acc)}
@@ -303,12 +297,7 @@ def test_replay_policy_bench_hard_bins_and_diagnostics_worked_by_hand(tmp_path):
     """bench/replay_policies.py --hard: the finer bins, and the diagnostics' per-run means over
     the training steps (the replay share counts replays among all trained sequences) with the
     paired difference to the reference arm."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "replay_policies", os.path.join(REPO_ROOT, "bench", "replay_policies.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("replay_policies")
 
     assert bench.bin_names(bench.HARD_EDGES) == ["[0, .05)", "[.05, .1)", "[.1, .25)",
                                                  "[.25, 1]"]

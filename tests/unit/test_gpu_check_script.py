@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from tests import bench_module
 from tests.torchrun import REPO_ROOT
 
 
@@ -60,22 +61,11 @@ def test_the_whole_step_program_runs_up_to_the_first_cuda_call(tmp_path):
     assert len(pool) == 32 and all(len(c) == 2 for c in pool.candidates)
 
 
-
-def _gpu_step():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "gpu_step", os.path.join(REPO_ROOT, "bench", "gpu_step.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_whole_step_row_holds_the_plan_to_the_steps_without_start_up():
     """A step's memory peak counts from the step before, so each process's first step (1, and
     the resumed step) also holds the HF or checkpoint load: reported beside the plan, and only
     a steady step above the plan fails the row."""
-    summarise = _gpu_step().summarise
+    summarise = bench_module("gpu_step").summarise
 
     def step(n, gib):
         return {"step": n, "timing/step_s": 1.0, "rollout/logprob_abs_diff": 1e-3,
@@ -94,7 +84,7 @@ def test_the_whole_step_row_holds_the_plan_to_the_steps_without_start_up():
 def test_a_failed_run_prints_its_last_lines_and_keeps_all_of_them(tmp_path, capsys):
     """On a lent GPU machine only what is printed comes back: a failed rlep train's traceback
     must be in the output, its whole log in a file."""
-    gpu_step = _gpu_step()
+    gpu_step = bench_module("gpu_step")
     path = tmp_path / "run.log"
     proc = gpu_step.rlep(["train", "--config", str(tmp_path / "missing.yaml")], 120, str(path))
     assert proc.returncode != 0
