@@ -1,0 +1,147 @@
+"""Whether this checkout trains as another commit does, value for value: the tiny default's
+baseline for a few steps, a pool collected from its checkpoint, and RLEP (``replay.policy``
+as the recipe sets it, uniform) on that pool, once with each commit's code on the same
+warm-started model; then every metric of every step compared for equality (``timing/*``
+aside), and the two pools row for row.
+
+    python bench/metrics_match.py --against b100ab2 --out D [--prepared DIR] [--steps 3]
+
+``--against``: any git revision; its code is checked out into ``D/against`` (a detached git
+worktree, removed at the end) and run with this checkout's environment. ``--prepared``: a
+directory from ``rlep demo --prepare-only --out-dir DIR`` (``model/`` and ``task/``); without
+it the demo's preparation runs into ``D/prepared`` first (about 5 minutes). Both RLEP runs
+replay the pool the other commit collected, so a difference in collection shows once, in the
+pool row. The table ends the output; the exit status is 1 when anything differs. A refactor
+that should not change numerics passes this against the commit before it.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compare_metrics(ref_path: str, new_path: str) -> dict:
+    """Two runs' ``metrics.jsonl`` compared line by line: the number of values compared, the
+    first differing ones and the keys only one side logs. ``timing/*`` is not compared."""
+    with open(ref_path) as f:
+        ref = [json.loads(line) for line in f if line.strip()]
+    with open(new_path) as f:
+        new = [json.loads(line) for line in f if line.strip()]
+    result = {"steps": (len(ref), len(new)), "compared": 0, "differ": [], "one_side": set()}
+    for a, b in zip(ref, new):
+        step = a.get("step", b.get("step"))
+        result["one_side"] |= {k for k in set(a) ^ set(b) if not k.startswith("timing/")}
+        for key in sorted(set(a) & set(b)):
+            if key.startswith("timing/"):
+                continue
+            result["compared"] += 1
+            if a[key] != b[key]:
+                result["differ"].append((step, key, a[key], b[key]))
+    return result
+
+
+def matches(result: dict) -> bool:
+    return (result["steps"][0] == result["steps"][1] and not result["differ"]
+            and not result["one_side"])
+
+
+def compare_pools(ref_path: str, new_path: str) -> tuple[int, int, bool]:
+    import pyarrow.parquet as pq
+
+    a, b = pq.read_table(ref_path), pq.read_table(new_path)
+    return a.num_rows, b.num_rows, a.equals(b)
+
+
+def _rlep(code: str, args: list[str], log: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [code] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    with open(log, "w") as f:
+        rc = subprocess.call([sys.executable, "-m", "rlep_megatron.cli"] + args, cwd=code,
+                             env=env, stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        with open(log) as f:
+            tail = f.read().splitlines()[-40:]
+        sys.exit("\n".join(tail) + f"\n{' '.join(args[:3])} with the code of {code} failed "
+                 f"(exit {rc}); its log: {log}")
+
+
+def run_side(code: str, out: str, prepared: str, steps: int, pool_for_rlep: str) -> None:
+    """The baseline, the collection and (on ``pool_for_rlep``) RLEP with the code at ``code``."""
+    os.makedirs(out, exist_ok=True)
+    common = [f"model.hf_dir={prepared}/model",
+              f"data.train_files=[{prepared}/task/train.parquet]",
+              f"data.val_files=[{prepared}/task/val.parquet]", f"trainer.total_steps={steps}"]
+    base = os.path.join(out, "baseline")
+    print(f"{out}: baseline, {steps} steps ...", flush=True)
+    _rlep(code, ["train", "--config", "examples/tiny_cpu_baseline.yaml", *common,
+                 f"trainer.output_dir={base}"], os.path.join(out, "baseline.log"))
+    print(f"{out}: collecting a pool from its checkpoint ...", flush=True)
+    _rlep(code, ["collect", "--config", "examples/tiny_cpu_rlep.yaml", *common,
+                 f"collect.checkpoint={base}", f"collect.output_file={out}/pool.parquet"],
+          os.path.join(out, "collect.log"))
+    print(f"{out}: RLEP, {steps} steps ...", flush=True)
+    _rlep(code, ["train", "--config", "examples/tiny_cpu_rlep.yaml", *common,
+                 f"replay.pool_files=[{pool_for_rlep}]", f"trainer.output_dir={out}/rlep"],
+          os.path.join(out, "rlep.log"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="git revision to compare with")
+    ap.add_argument("--out", required=True, help="directory for both sides' runs")
+    ap.add_argument("--prepared", help="an `rlep demo --prepare-only --out-dir` directory")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and os.listdir(out):
+        sys.exit(f"--out {out} is not empty: give a new directory")
+    rev = subprocess.run(["git", "rev-parse", "--verify", f"{args.against}^{{commit}}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    if rev.returncode != 0:
+        sys.exit(f"--against {args.against}: not a commit of this repository")
+    prepared = os.path.abspath(args.prepared) if args.prepared else os.path.join(out, "prepared")
+    if args.prepared:
+        for sub in ("model/config.json", "task/train.parquet", "task/val.parquet"):
+            if not os.path.exists(os.path.join(prepared, sub)):
+                sys.exit(f"--prepared {prepared} lacks {sub}: give a directory made by "
+                         "`rlep demo --prepare-only --out-dir DIR`")
+    os.makedirs(out, exist_ok=True)
+    if not args.prepared:
+        print("preparing the tiny default (rlep demo --prepare-only) ...", flush=True)
+        _rlep(ROOT, ["demo", "--prepare-only", "--out-dir", prepared],
+              os.path.join(out, "prepare.log"))
+    tree = os.path.join(out, "against")
+    subprocess.run(["git", "worktree", "add", "--detach", tree, rev.stdout.strip()], cwd=ROOT,
+                   check=True, capture_output=True)
+    try:
+        ref_pool = os.path.join(out, "ref", "pool.parquet")
+        run_side(tree, os.path.join(out, "ref"), prepared, args.steps, ref_pool)
+        run_side(ROOT, os.path.join(out, "new"), prepared, args.steps, ref_pool)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=ROOT,
+                       capture_output=True)
+    ok = True
+    print(f"\nthis checkout against {args.against} ({rev.stdout.strip()[:10]}), "
+          f"{args.steps} steps, timing/* aside")
+    print("| run | steps (ref, new) | values compared | equal | first differences |")
+    print("|---|---|---|---|---|")
+    for run in ("baseline", "rlep"):
+        r = compare_metrics(os.path.join(out, "ref", run, "metrics.jsonl"),
+                            os.path.join(out, "new", run, "metrics.jsonl"))
+        ok &= matches(r)
+        first = "; ".join(f"step {s} {k}: {a} vs {b}" for s, k, a, b in r["differ"][:3])
+        if r["one_side"]:
+            first += f" logged by one side only: {', '.join(sorted(r['one_side']))}"
+        print(f"| {run} | {r['steps'][0]}, {r['steps'][1]} | {r['compared']} | "
+              f"{'yes' if matches(r) else 'NO'} | {first or '-'} |")
+    rows_a, rows_b, same = compare_pools(ref_pool, os.path.join(out, "new", "pool.parquet"))
+    ok &= same
+    print(f"| pool | {rows_a}, {rows_b} rows | every row | {'yes' if same else 'NO'} | - |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
