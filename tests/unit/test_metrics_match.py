@@ -1,6 +1,8 @@
 """bench/metrics_match.py's comparison: every logged value but timing, step by step, on small
 hand-written runs."""
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -43,15 +45,60 @@ def test_a_changed_value_a_missing_metric_and_a_missing_step_are_reported(tmp_pa
     assert r["one_side"] == {"rollout/acc_mean"} and not metrics_match.matches(r)
 
     r = metrics_match.compare_metrics(ref, write(tmp_path / "d", STEPS[:1]))
-    assert r["steps"] == (2, 1) and not metrics_match.matches(r)
+    assert r["records"] == (2, 1) and not metrics_match.matches(r)
+
+    r = metrics_match.compare_metrics(write(tmp_path / "e", []), write(tmp_path / "f", []))
+    assert r["compared"] == 0 and not metrics_match.matches(r)  # nothing logged: no match
 
 
-def test_pools_compare_row_for_row(tmp_path):
+def test_pools_compare_row_for_row_and_their_stats(tmp_path):
     table = pa.table({"prompt": ["a", "b"], "response": ["1", "2"]})
-    pq.write_table(table, tmp_path / "a.parquet")
-    pq.write_table(table, tmp_path / "b.parquet")
     changed = pa.table({"prompt": ["a", "b"], "response": ["1", "3"]})
-    pq.write_table(changed, tmp_path / "c.parquet")
-    a, b, c = (str(tmp_path / f"{n}.parquet") for n in "abc")
+    for name, rows, accuracy in (("a", table, 0.5), ("b", table, 0.5), ("c", changed, 0.5),
+                                 ("d", table, 0.25)):
+        pq.write_table(rows, tmp_path / f"{name}.parquet")
+        (tmp_path / f"{name}.stats.json").write_text(json.dumps({"sample_accuracy": accuracy}))
+    a, b, c, d = (str(tmp_path / f"{n}.parquet") for n in "abcd")
     assert metrics_match.compare_pools(a, b) == (2, 2, True)
     assert metrics_match.compare_pools(a, c) == (2, 2, False)
+    assert metrics_match.compare_pools(a, d) == (2, 2, False)  # same rows, other stats
+
+
+def run_main(monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["metrics_match.py", *args])
+    with pytest.raises(SystemExit) as stop:
+        metrics_match.main()
+    return stop.value.code
+
+
+def test_bad_input_stops_before_any_run_and_a_failed_run_leaves_no_worktree(tmp_path,
+                                                                          monkeypatch):
+    prepared = tmp_path / "prepared"
+    for sub in ("model/config.json", "task/train.parquet", "task/val.parquet"):
+        (prepared / sub).parent.mkdir(parents=True, exist_ok=True)
+        (prepared / sub).write_text("")
+    ran = []
+    monkeypatch.setattr(metrics_match, "run_side", lambda *a: ran.append(a))
+    assert "not a commit" in run_main(monkeypatch, "--against", "no-such-revision", "--out",
+                                      str(tmp_path / "o1"), "--prepared", str(prepared))
+    (tmp_path / "o2").mkdir()
+    (tmp_path / "o2" / "x").write_text("")
+    assert "not an empty directory" in run_main(monkeypatch, "--against", "HEAD", "--out",
+                                                str(tmp_path / "o2"), "--prepared", str(prepared))
+    assert "lacks model/config.json" in run_main(monkeypatch, "--against", "HEAD", "--out",
+                                                 str(tmp_path / "o3"), "--prepared",
+                                                 str(tmp_path))
+    assert ran == []
+
+    def fail(code, *rest):
+        ran.append(code)
+        metrics_match._failed("a run failed")
+
+    monkeypatch.setattr(metrics_match, "run_side", fail)
+    tree = tmp_path / "o4" / "against"
+    assert run_main(monkeypatch, "--against", "HEAD", "--out", str(tmp_path / "o4"),
+                    "--prepared", str(prepared)) == 2
+    assert ran == [str(tree)]  # the reference side ran in the worktree, then stopped
+    listed = subprocess.run(["git", "worktree", "list"], cwd=metrics_match.ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    assert str(tree) not in listed and not tree.exists()
