@@ -32,10 +32,9 @@ def compare_metrics(ref_path: str, new_path: str) -> dict:
     """Two runs' ``metrics.jsonl`` compared record by record (one per step, and step 0's
     validation): the number of values compared, the differing ones and the keys only one side
     logs. ``timing/*`` is not compared."""
-    with open(ref_path) as f:
-        ref = [json.loads(line) for line in f if line.strip()]
-    with open(new_path) as f:
-        new = [json.loads(line) for line in f if line.strip()]
+    from rlep_megatron.metrics import read_metrics
+
+    ref, new = read_metrics(ref_path), read_metrics(new_path)
     result = {"records": (len(ref), len(new)), "compared": 0, "differ": [], "one_side": set()}
     for a, b in zip(ref, new):
         step = a.get("step", b.get("step"))
