@@ -49,11 +49,40 @@ def run_ranks(script: str, nproc: int, args: Sequence[str] = (), timeout_s: floa
             raise AssertionError(f"torchrun {script} timed out after {timeout_s}s:\n{tail}"
                                  ) from None
     else:
-        proc = _start_and_wait(script, nproc, list(args), _env(env), timeout_s)
+        for attempt in range(STORE_ATTEMPTS):
+            proc = _start_and_wait(script, nproc, list(args), _env(env), timeout_s)
+            if proc.returncode == 0 or STORE_PORT_TAKEN not in proc.stdout + proc.stderr:
+                break
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr)[-6000:]
         raise AssertionError(f"{script} x{nproc} failed ({proc.returncode}):\n{output}")
     return proc
+
+
+# rank 0's store binds its port seconds after the port was found free (after its imports):
+# another process may take it in between. The port is drawn below the kernel's ephemeral range
+# (32768 and up on Linux), where no outgoing connection lands, and a launch whose store could
+# not listen (it failed before any rank ran the program) is started again on another port.
+STORE_ATTEMPTS = 3
+STORE_PORT_TAKEN = "The server socket has failed to listen"
+_STORE_PORTS = (20000, 32000)
+
+
+def store_port() -> int:
+    """A port for rank 0's store that is free now, drawn at random in :data:`_STORE_PORTS`."""
+    import random
+    import socket
+
+    draw = random.Random()
+    for _ in range(100):
+        port = draw.randrange(*_STORE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {_STORE_PORTS} after 100 draws")
 
 
 def _program(script: str) -> list[str]:
@@ -69,10 +98,9 @@ def _start_and_wait(script: str, nproc: int, args: list[str], env: dict[str, str
     import tempfile
     import time
 
-    from rlep_megatron.rollout.servers.launch import free_port
     from tests import forkserver
 
-    port = free_port()  # for rank 0's store
+    port = store_port()  # for rank 0's store
     shared = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                   LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc), GROUP_RANK="0",
                   GROUP_WORLD_SIZE="1", ROLE_NAME="default", TORCHELASTIC_RESTART_COUNT="0",
