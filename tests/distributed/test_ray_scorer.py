@@ -27,6 +27,8 @@ def test_ray_pool_times_out_a_hang():
                 for i in range(40)]
     requests.insert(10, ScoreRequest("math_verify", tower, "1"))
     with make_scorer_pool("ray", num_workers=2, timeout_s=3.0) as pool:
+        # the workers' start (an interpreter, ray, the reward modules) is not the hang's time
+        pool.score([ScoreRequest("math_dapo", "Answer: 1", "1")] * 4)
         start = time.monotonic()
         results = pool.score(requests)
         elapsed = time.monotonic() - start

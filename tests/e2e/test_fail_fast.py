@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from tests.e2e.helpers import read_jsonl, recipe, run_rlep, small_task, train_overrides
+from tests.e2e.helpers import (JOB_TIMEOUT_S, read_jsonl, recipe, run_rlep, small_task,
+                               train_overrides)
 from tests.torchrun import rlep_in_process
 from tests import requires
 
@@ -30,7 +31,7 @@ def run_failing_job(hf_dir, task, out, phase, rank, layout):
     proc = run_rlep(["train", "--config", recipe("tiny_cpu_baseline.yaml"),
                      *train_overrides(hf_dir, task, str(out), steps=2),
                      "trainer.validation_interval_steps=0", *layout],
-                    nproc=2, timeout_s=120, check=False,
+                    nproc=2, timeout_s=JOB_TIMEOUT_S, check=False,
                     env={"RLEP_FAULT_INJECT": f"{phase}:{rank}"})
     ended = time.time()
     output = proc.stdout + proc.stderr

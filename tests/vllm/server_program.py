@@ -41,7 +41,10 @@ from rlep_megatron.rollout.servers.engine import ServerEngine
 from rlep_megatron.rollout.servers.launch import LocalServer
 from rlep_megatron.rollout.servers.weights import plan_source, stream_source
 from rlep_megatron.weight_sync import WeightStreamer, sync_weights
+from tests.torchrun import store_port
 from tests.vllm.rollout_sync_program import PAD, PROMPTS, chat, common_prefix_diffs, take_step
+
+SERVER_TIMEOUT_S = 120.0  # rollout.server_timeout_s of the checks before the kill (10 s there)
 
 
 def generated_tokens(url: str, timeout_s: float = 60.0) -> float:
@@ -155,15 +158,18 @@ def main():
     distributed.init_process_group()
     cfg = RolloutConfig(num_samples_per_prompt=2, max_response_tokens=20, temperature=1.0,
                         weight_sync_bucket_bytes=96 * 1024)
+    # ports below the ephemeral range: a server binds its port after its imports, and a port
+    # found free by bind(0) may be another process's outgoing connection's by then
     server = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=2048,
-                         log_path=args.log)
+                         log_path=args.log, port=store_port())
     # a second server for the two-server check, starting meanwhile
     second = LocalServer(args.hf_dir, cfg, dtype="float32", seed=0, max_model_len=2048,
-                         log_path=args.log + ".second")
+                         log_path=args.log + ".second", port=store_port())
     report = {}
     try:
         url = server.wait_ready(600)
-        engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
+        engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=SERVER_TIMEOUT_S,
+                              watchdog=False)
         ctx = distributed.init_model_parallel(ParallelConfig(), seed=0,
                                               **layout_limits(hf_config))
         chunks, info = build_from_hf(args.hf_dir, "float32")
@@ -229,7 +235,8 @@ def main():
         # first's; each prompt's samples come from its own server, both with the new weights
         engine.shutdown()  # the first server drops its transfer group, and joins the new one
         url2 = second.wait_ready(600)
-        pair = ServerEngine([url, url2], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
+        pair = ServerEngine([url, url2], args.hf_dir, cfg, timeout_s=SERVER_TIMEOUT_S,
+                            watchdog=False)
         sync_weights(pair, streamer, 20)
         counts = [generated_tokens(u) for u in (url, url2)]
         shared = pair.generate(prompts, seed=51, version=20)
@@ -241,11 +248,14 @@ def main():
             "tokens": sum(len(r.token_ids) for g in shared for r in g)}
         pair.shutdown()
         second.stop()
-        engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=10.0, watchdog=False)
+        engine = ServerEngine([url], args.hf_dir, cfg, timeout_s=SERVER_TIMEOUT_S,
+                              watchdog=False)
         sync_weights(engine, streamer, 21)
 
         # failure: killed with requests in flight (up to 1984 tokens each: none can finish
-        # before the kill, on any CPU)
+        # before the kill, on any CPU). From here the health check's timeout is 10 s; the
+        # checks above had a longer one, which a busy host's slow /health answers do not reach
+        engine.health.timeout_s = 10.0
         engine.extra_sampling = {"ignore_eos": True}
         requests = engine.requests(RolloutConfig(num_samples_per_prompt=1,
                                                  max_response_tokens=1984, temperature=1.0))

@@ -12,7 +12,7 @@ import torch
 from rlep_megatron.checkpoint.verify import hf_token_logprobs
 from rlep_megatron.tiny_model import make_tiny_model
 from tests import forkserver, requires
-from tests.torchrun import REPO_ROOT, _env, once_per_run
+from tests.torchrun import REPO_ROOT, _env, once_per_run, store_port
 
 pytestmark = pytest.mark.vllm
 
@@ -28,7 +28,8 @@ def run(tiny_qwen2_dir, tmp_path_factory):
         out = root / "out.json"
         proc = subprocess.run([sys.executable, *forkserver.command([
                                "tests/vllm/carry_over_program.py", tiny_qwen2_dir, other,
-                               str(out)])], cwd=REPO_ROOT, env=_env(None),
+                               str(out)])], cwd=REPO_ROOT,
+                              env=_env({"MASTER_PORT": str(store_port())}),
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
         return {"other": other, "report": json.load(open(out))}
