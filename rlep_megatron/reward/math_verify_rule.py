@@ -12,6 +12,17 @@ import logging
 # enforces the limit instead.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
+
+def prepare() -> None:
+    """Import math-verify and sympy and verify one trivial answer: seconds on a busy host, which
+    a scorer worker spends before an answer's clock starts (on the clock, a first answer could
+    time out and be scored wrong)."""
+    from math_verify import parse, verify
+
+    verify(parse("$1$", parsing_timeout=None), parse("$1$", parsing_timeout=None),
+           timeout_seconds=None)
+
+
 def score(solution: str, ground_truth: str) -> dict:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 

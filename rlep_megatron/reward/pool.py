@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_connections
 from typing import Optional, Sequence
 
-from rlep_megatron.reward.rules import (compute_score, load_registry, registry_snapshot,
-                                        scorable)
+from rlep_megatron.reward.rules import (compute_score, load_registry, prepare,
+                                        registry_snapshot, scorable)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ def _worker_main(conn, progress) -> None:
             return
         chunk_id, items, registry = message
         load_registry(registry)  # rules registered in the parent after the worker started
+        try:  # imports before the clock (progress[1] is 0: idle); a failure shows in scoring
+            prepare(request.data_source for _, request in items)
+        except Exception:
+            pass
         results = []
         for index, request in items:
             progress[0] = index
@@ -211,8 +215,16 @@ class ScorerPool:
 class _RayScorer:
     """One scoring process of the Ray backend (a Ray actor): one answer per call."""
 
-    def ready(self) -> bool:
-        return True  # the process is up and this module (the rules) imported
+    def ready(self, data_sources=(), registry=None) -> bool:
+        """The process is up, this module (the rules) imported, and the set-up of the rules
+        of ``data_sources`` done: an answer's clock starts after this returns."""
+        if registry is not None:
+            load_registry(registry)
+            try:  # a failure shows in scoring
+                prepare(data_sources)
+            except Exception:
+                pass
+        return True
 
     def score(self, request: ScoreRequest, registry) -> dict:
         load_registry(registry)  # rules and reward.function of the driver
@@ -223,9 +235,10 @@ class _RayScorer:
 
 class RayScorerPool:
     """Scoring on Ray actors (many CPUs / nodes), one answer at a time each. An answer's clock
-    starts when it is handed to an actor that is up and idle, so time spent queued or starting
-    a process never counts; one past ``timeout_s`` is scored -1 with ``timed_out``, its actor
-    is killed and a new one started."""
+    starts when it is handed to an actor that is up, idle and set up for the batch's rules, so
+    time spent queued, starting a process or importing a rule's modules never counts; one past
+    ``timeout_s`` is scored -1 with ``timed_out``, its actor is killed and a new one
+    started."""
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, ray_address: str = ""):
         import ray
@@ -241,12 +254,16 @@ class RayScorerPool:
         self.num_timeouts = 0
         self._idle: list = []
         self._starting: dict = {}  # the ready() call of an actor not up yet -> the actor
+        self._batch: tuple = ((), None)  # the current batch's data sources and registry
         for _ in range(num_workers):
             self._start_actor()
 
-    def _start_actor(self) -> None:
-        actor = self._actor_class.remote()
-        self._starting[actor.ready.remote()] = actor
+    def _start_actor(self, actor=None) -> None:
+        """A new actor, or an idle one given the set-up of the current batch's rules (both
+        off the answers' clocks)."""
+        if actor is None:
+            actor = self._actor_class.remote()
+        self._starting[actor.ready.remote(*self._batch)] = actor
 
     def _collect(self, ref, running: dict, results: list) -> None:
         """A finished call: a started actor joins the idle ones, or an answer's result."""
@@ -268,6 +285,9 @@ class RayScorerPool:
     def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
         scorable({r.data_source for r in requests})
         registry = registry_snapshot()
+        self._batch = (sorted({r.data_source for r in requests}), registry)
+        while self._idle:
+            self._start_actor(self._idle.pop())
         ray = self._ray
         results: list[Optional[dict]] = [None] * len(requests)
         queue = list(range(len(requests)))

@@ -117,6 +117,26 @@ def rule_for(data_source: str) -> RuleFn:
     return RULES[name]
 
 
+# what a rule needs done once per process before it scores (imports), off an answer's clock
+_PREPARE: dict[RuleFn, Callable[[], None]] = {math_verify_rule.score: math_verify_rule.prepare}
+_PREPARED: set = set()
+
+
+def prepare(data_sources) -> None:
+    """Run, once per process, the set-up of the rules that score ``data_sources`` (unknown
+    sources are left to :func:`compute_score`'s error)."""
+    if _FUNCTION["fn"] is not None:
+        return
+    for source in set(data_sources):
+        try:
+            rule = rule_for(source)
+        except ValueError:
+            continue
+        if rule in _PREPARE and rule not in _PREPARED:
+            _PREPARED.add(rule)
+            _PREPARE[rule]()
+
+
 def _as_result(result) -> dict:
     if isinstance(result, dict):
         value = float(result["score"])

@@ -159,6 +159,30 @@ def test_pool_times_out_a_hang_without_stalling_the_batch():
     assert not any(alive(pid) for pid in current)
 
 
+def test_a_rules_set_up_runs_once_per_process_for_the_sources_it_scores(monkeypatch):
+    from rlep_megatron.reward import math_verify_rule, rules
+
+    calls = []
+    monkeypatch.setattr(rules, "_PREPARE", {math_verify_rule.score: lambda: calls.append(1)})
+    monkeypatch.setattr(rules, "_PREPARED", set())
+    rules.prepare(["math_dapo", "tiny_arith", "nope"])  # no set-up; unknown left to scoring
+    assert calls == []
+    rules.prepare(["math_verify", "math", "HuggingFaceH4/MATH-500"])  # one rule, three names
+    rules.prepare(["math_verify"])
+    assert calls == [1]
+
+
+def test_a_workers_first_math_verify_answer_is_not_timed_with_its_imports():
+    """A new worker imports math-verify and sympy (over a second on a busy host) before the
+    answer's clock starts: with a 1 s limit, the first answer is scored, not timed out."""
+    requests = [ScoreRequest("math_verify", "so \\boxed{\\frac{1}{2}}", "0.5"),
+                ScoreRequest("math_dapo", "Answer: 3", "3")]
+    with ScorerPool(num_workers=1, timeout_s=1.0) as pool:
+        results = pool.score(requests)
+        assert pool.num_timeouts == 0
+    assert [(r["acc"], r["timed_out"]) for r in results] == [(True, False), (True, False)]
+
+
 def test_pool_workers_see_rules_registered_in_the_parent():
     register_rule("shouting", exact_upper)
     with ScorerPool(num_workers=1, timeout_s=10) as pool:
