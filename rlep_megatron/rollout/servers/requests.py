@@ -16,8 +16,8 @@ logger = logging.getLogger(__name__)
 
 class ServerRequests:
     """The colocated :class:`~rlep_megatron.rollout.colocated.requests.EngineRequests`'
-    interface for servers: this trainer's fresh requests in flight, each its own HTTP request; their results arrive on a
-    queue that :meth:`run_until` drains."""
+    interface for servers: this trainer's fresh requests in flight, each its own HTTP request;
+    their results arrive on a queue that :meth:`run_until` drains."""
 
     def __init__(self, engine, cfg):  # engine: the ServerEngine that sends the requests
         self.engine, self.cfg = engine, cfg
@@ -76,7 +76,10 @@ class ServerRequests:
     def _drain(self, abort: bool) -> None:
         """Until every request in flight has come back. ``abort``: a request that reached a
         paused server after its abort waits in its queue; it is aborted again at each wait
-        (an abort of all: vLLM names the generate route's requests itself)."""
+        (an abort of all: vLLM names the generate route's requests itself), and one not back
+        within ``max(rollout.server_timeout_s, 60)`` seconds ends the job naming its server.
+        Without ``abort`` (``carry_over: finish``) the requests generate to their end, for as
+        long as a response takes, while the servers answer their health checks."""
         wait = max(self.engine.timeout_s, 60.0)
         deadline = time.monotonic() + wait
         while self.in_flight:
@@ -84,8 +87,9 @@ class ServerRequests:
                 self._apply(self.results.get(timeout=HEALTH_INTERVAL_S))
             except queue.Empty:
                 self.engine.check_alive()
-                if abort:
-                    self.engine.clients.abort_all()
+                if not abort:
+                    continue
+                self.engine.clients.abort_all()
                 if time.monotonic() > deadline:
                     servers = sorted({self.engine.urls[s] for _, s in self.in_flight.values()})
                     raise RolloutServerError(
