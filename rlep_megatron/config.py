@@ -209,7 +209,9 @@ class RolloutConfig:
     server_timeout_s: float = 60.0
     """``placement: separate``: a server that does not answer its health check for this long
     ends the job with an error naming it. A weight transfer to the servers waits at most
-    ``max(300, server_timeout_s)`` seconds before it ends the job naming them."""
+    ``max(300, server_timeout_s)`` seconds before it ends the job naming them, and requests
+    aborted for an update (``carry_over: resume``, ``restart``) at most ``max(60,
+    server_timeout_s)`` seconds to come back."""
     server_log_requests: bool = False
     """``placement: separate``: a server started by a rollout rank logs every request it
     receives in ``<output_dir>/rollout_server_<i>.log`` (vLLM's ``--enable-log-requests``);

@@ -254,7 +254,9 @@ class RayScorerPool:
         self.num_timeouts = 0
         self._idle: list = []
         self._starting: dict = {}  # the ready() call of an actor not up yet -> the actor
-        self._batch: tuple = ((), None)  # the current batch's data sources and registry
+        # every actor has been sent ready() with these data sources (all seen so far) and the
+        # registry; new sources send it again to all, before their answers are handed over
+        self._batch: tuple = ((), None)
         for _ in range(num_workers):
             self._start_actor()
 
@@ -272,7 +274,8 @@ class RayScorerPool:
             try:
                 self._ray.get(ref)
             except Exception as err:
-                raise RuntimeError(f"a Ray scorer process failed to start: {err}") from err
+                raise RuntimeError(f"a Ray scorer process failed to start or to set up its "
+                                   f"rules (reward.function, math-verify): {err}") from err
             self._idle.append(actor)
             return
         index, actor, _ = running.pop(ref)
@@ -285,9 +288,16 @@ class RayScorerPool:
     def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
         scorable({r.data_source for r in requests})
         registry = registry_snapshot()
-        self._batch = (sorted({r.data_source for r in requests}), registry)
-        while self._idle:
-            self._start_actor(self._idle.pop())
+        sources = {r.data_source for r in requests}
+        if not sources <= set(self._batch[0]):
+            self._batch = (sorted(sources | set(self._batch[0])), registry)
+            # the actors still starting were sent the old set: their calls run in order, so a
+            # second ready() returns after both
+            for ref, actor in list(self._starting.items()):
+                del self._starting[ref]
+                self._start_actor(actor)
+            while self._idle:
+                self._start_actor(self._idle.pop())
         ray = self._ray
         results: list[Optional[dict]] = [None] * len(requests)
         queue = list(range(len(requests)))

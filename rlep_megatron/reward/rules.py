@@ -124,7 +124,8 @@ _PREPARED: set = set()
 
 def prepare(data_sources) -> None:
     """Run, once per process, the set-up of the rules that score ``data_sources`` (unknown
-    sources are left to :func:`compute_score`'s error)."""
+    sources are left to :func:`compute_score`'s error; none with ``reward.function``, which
+    scores every row)."""
     if _FUNCTION["fn"] is not None:
         return
     for source in set(data_sources):

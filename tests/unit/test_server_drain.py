@@ -4,6 +4,7 @@ answer their health checks (a long response on a real model takes minutes); with
 aborted requests must come back within ``max(rollout.server_timeout_s, 60)`` seconds. Driven
 with a stand-in engine and a clock that jumps 100 s at each look."""
 import itertools
+import logging
 import types
 
 import pytest
@@ -50,11 +51,16 @@ def _one_in_flight(monkeypatch, back_at):
     return engine, requests, item
 
 
-def test_finish_waits_for_a_long_response_past_the_abort_deadline(monkeypatch):
+def test_finish_waits_for_a_long_response_past_the_abort_deadline(monkeypatch, caplog):
     engine, requests, item = _one_in_flight(monkeypatch, back_at=20)  # 2,000 s on the clock
-    requests.pause("finish")
+    with caplog.at_level(logging.WARNING, logger=server_requests.__name__):
+        requests.pause("finish")
     assert engine.checks == 20 and engine.aborts == 0 and not requests.in_flight
     assert item.token_ids == [5, 6] and item.versions == [(3, 2)] and item.finish_reason == "stop"
+    # the wait shows in the log every FINISH_REPORT_S (300 s), naming the server
+    reports = [r.getMessage() for r in caplog.records if "still generating" in r.getMessage()]
+    assert len(reports) >= 3 and all("1 request(s) still generating on http://r0:8000" in m
+                                     for m in reports), reports
 
 
 def test_an_aborted_request_not_back_in_time_ends_the_job_naming_its_server(monkeypatch):

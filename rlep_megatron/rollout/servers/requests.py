@@ -13,6 +13,8 @@ from rlep_megatron.rollout.servers.client import HEALTH_INTERVAL_S, RolloutServe
 
 logger = logging.getLogger(__name__)
 
+FINISH_REPORT_S = 300.0  # carry_over=finish: how often a long pause is logged
+
 
 class ServerRequests:
     """The colocated :class:`~rlep_megatron.rollout.colocated.requests.EngineRequests`'
@@ -81,21 +83,32 @@ class ServerRequests:
         Without ``abort`` (``carry_over: finish``) the requests generate to their end, for as
         long as a response takes, while the servers answer their health checks."""
         wait = max(self.engine.timeout_s, 60.0)
-        deadline = time.monotonic() + wait
+        start = time.monotonic()
+        deadline, report = start + wait, start + FINISH_REPORT_S
         while self.in_flight:
             try:
                 self._apply(self.results.get(timeout=HEALTH_INTERVAL_S))
             except queue.Empty:
                 self.engine.check_alive()
                 if not abort:
+                    now = time.monotonic()
+                    if now > report:  # a stall shows in the log
+                        report = now + FINISH_REPORT_S
+                        logger.warning("carry_over=finish: %d request(s) still generating on "
+                                       "%s, %.0f s into the weight update's pause",
+                                       len(self.in_flight), ", ".join(self._servers()),
+                                       now - start)
                     continue
                 self.engine.clients.abort_all()
                 if time.monotonic() > deadline:
-                    servers = sorted({self.engine.urls[s] for _, s in self.in_flight.values()})
                     raise RolloutServerError(
                         f"{len(self.in_flight)} request(s) did not come back from "
-                        f"{', '.join(servers)} within {wait:.0f} s of the weight update's "
+                        f"{', '.join(self._servers())} within {wait:.0f} s of the weight update's "
                         "pause")
+
+    def _servers(self) -> list[str]:
+        """The servers of the requests in flight."""
+        return sorted({self.engine.urls[server] for _, server in self.in_flight.values()})
 
     def pause(self, carry_over: str) -> None:
         """Before a weight update. ``resume`` / ``restart``: the servers abort the requests in
