@@ -36,8 +36,8 @@ def run_ranks(script: str, nproc: int, args: Sequence[str] = (), timeout_s: floa
     variables torchrun gives them (rank 0 hosts the store), without torchrun's launcher: a
     process that imports torch only to start the ranks (about 2 CPU-seconds per launch). As
     torchrun does, the first rank to fail ends the others. A launch whose store could not
-    listen on its port is started again on another (:data:`STORE_ATTEMPTS` in all). The ``rlep`` jobs of the e2e tests
-    run under torchrun itself (tests/e2e/helpers.py)."""
+    listen on its port is started again on another (:data:`STORE_ATTEMPTS` in all). The
+    ``rlep`` jobs of the e2e tests run under torchrun itself (tests/e2e/helpers.py)."""
     if gpu:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", *_program(script), *args]

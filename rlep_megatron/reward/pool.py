@@ -286,9 +286,9 @@ class RayScorerPool:
         self._idle.append(actor)
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[dict]:
-        scorable({r.data_source for r in requests})
-        registry = registry_snapshot()
         sources = {r.data_source for r in requests}
+        scorable(sources)
+        registry = registry_snapshot()
         if not sources <= set(self._batch[0]):
             self._batch = (sorted(sources | set(self._batch[0])), registry)
             # the actors still starting were sent the old set: their calls run in order, so a
