@@ -6,7 +6,9 @@ limit is enforced from outside: each worker process publishes, in shared memory,
 it is scoring and since when; the parent kills a worker whose current answer has run past
 ``timeout_s``, records that answer as ``score -1, timed_out``, re-queues the rest of the
 worker's chunk and starts a replacement. No hang can stall a step and no process is leaked
-(workers are daemonic and ``close()`` joins them).
+(workers are daemonic and ``close()`` joins them). A worker's start and its rules' set-up
+(imports) are off an answer's clock but have a limit of their own, :data:`SETUP_LIMIT_S`: one
+that hangs past it ends the scoring with an error naming it.
 
 Backends: ``local`` (this class, the default) and ``ray`` (:class:`RayScorerPool`, for spreading
 scoring over many CPUs/nodes).
@@ -26,6 +28,18 @@ from rlep_megatron.reward.rules import (compute_score, load_registry, prepare,
 logger = logging.getLogger(__name__)
 
 TIMED_OUT = {"score": -1.0, "acc": False, "pred": "", "timed_out": True}
+# how long a scorer process may take to start and set up the rules it is handed (imports of
+# math-verify and sympy, reward.function's module) before scoring ends with an error: a hung
+# import is a broken environment, not a bad answer
+SETUP_LIMIT_S = 300.0
+
+
+def _setup_error(who: str, sources, hint: str = "") -> RuntimeError:
+    return RuntimeError(
+        f"{who} spent over {SETUP_LIMIT_S:.0f} s starting or setting up the reward rules of "
+        f"{sorted(set(sources))} (importing math-verify and sympy, or reward.function's "
+        f"module){hint}; check that `python -c 'import rlep_megatron.reward, math_verify'` and "
+        "your reward module import quickly on this host")
 
 
 @dataclass(frozen=True)
@@ -37,20 +51,24 @@ class ScoreRequest:
 
 def _worker_main(conn, progress) -> None:
     """Worker loop: receive chunks ``(chunk_id, [(index, request), ...])``, reply with results.
-    ``progress[0]`` = index being scored, ``progress[1]`` = its start time (0 when idle)."""
+    ``progress[0]`` = index being scored, ``progress[1]`` = its start time (0 when idle),
+    ``progress[2]`` = since when the worker has been starting or setting up (0 when not)."""
     while True:
+        progress[2] = 0.0
         try:
             message = conn.recv()
         except EOFError:
             return
         if message is None:
             return
+        progress[2] = time.monotonic()
         chunk_id, items, registry = message
         load_registry(registry)  # rules registered in the parent after the worker started
         try:  # imports before the clock (progress[1] is 0: idle); a failure shows in scoring
             prepare(request.data_source for _, request in items)
         except Exception:
             pass
+        progress[2] = 0.0
         results = []
         for index, request in items:
             progress[0] = index
@@ -66,7 +84,8 @@ def _worker_main(conn, progress) -> None:
 class _Worker:
     def __init__(self, ctx):
         self.conn, child_conn = ctx.Pipe()
-        self.progress = ctx.Array("d", [-1.0, 0.0], lock=False)
+        # the start counts as set-up until the worker first waits for a chunk
+        self.progress = ctx.Array("d", [-1.0, 0.0, time.monotonic()], lock=False)
         self.process = ctx.Process(target=_worker_main, args=(child_conn, self.progress),
                                    daemon=True)
         self.process.start()
@@ -137,6 +156,13 @@ class ScorerPool:
                 started = worker.progress[1]
                 if started and time.monotonic() - started > self.timeout_s:
                     remaining -= self._handle_timeout(worker, results, pending)
+                    continue
+                setting_up = worker.progress[2]
+                if setting_up and time.monotonic() - setting_up > SETUP_LIMIT_S:
+                    sources = [request.data_source for _, request in worker.chunk[1]]
+                    worker.kill()
+                    self.close()
+                    raise _setup_error("a reward scorer worker has", sources)
         return results  # type: ignore[return-value]
 
     def _handle_timeout(self, worker: _Worker, results: list, pending: list) -> int:
@@ -253,24 +279,26 @@ class RayScorerPool:
         self.timeout_s = timeout_s
         self.num_timeouts = 0
         self._idle: list = []
-        self._starting: dict = {}  # the ready() call of an actor not up yet -> the actor
+        # the ready() call of an actor not up yet -> (the actor, since when it is starting)
+        self._starting: dict = {}
         # every actor has been sent ready() with these data sources (all seen so far) and the
         # registry; new sources send it again to all, before their answers are handed over
         self._batch: tuple = ((), None)
         for _ in range(num_workers):
             self._start_actor()
 
-    def _start_actor(self, actor=None) -> None:
+    def _start_actor(self, actor=None, since: Optional[float] = None) -> None:
         """A new actor, or an idle one given the set-up of the current batch's rules (both
         off the answers' clocks)."""
         if actor is None:
             actor = self._actor_class.remote()
-        self._starting[actor.ready.remote(*self._batch)] = actor
+        since = time.monotonic() if since is None else since
+        self._starting[actor.ready.remote(*self._batch)] = (actor, since)
 
     def _collect(self, ref, running: dict, results: list) -> None:
         """A finished call: a started actor joins the idle ones, or an answer's result."""
         if ref in self._starting:
-            actor = self._starting.pop(ref)
+            actor, _ = self._starting.pop(ref)
             try:
                 self._ray.get(ref)
             except Exception as err:
@@ -293,9 +321,9 @@ class RayScorerPool:
             self._batch = (sorted(sources | set(self._batch[0])), registry)
             # the actors still starting were sent the old set: their calls run in order, so a
             # second ready() returns after both
-            for ref, actor in list(self._starting.items()):
+            for ref, (actor, since) in list(self._starting.items()):
                 del self._starting[ref]
-                self._start_actor(actor)
+                self._start_actor(actor, since)
             while self._idle:
                 self._start_actor(self._idle.pop())
         ray = self._ray
@@ -323,6 +351,12 @@ class RayScorerPool:
                     results[index] = dict(TIMED_OUT)
                     self.num_timeouts += 1
                     self._start_actor()
+            # nothing can score and every process not yet ready is past the set-up's limit
+            if queue and not running and not self._idle and self._starting and \
+                    now - max(since for _, since in self._starting.values()) > SETUP_LIMIT_S:
+                raise _setup_error(
+                    "every Ray scorer process has", self._batch[0],
+                    "; or the cluster has no free CPU for reward.num_workers actors of 1 CPU")
         return results  # type: ignore[return-value]
 
     def close(self) -> None:
@@ -331,7 +365,7 @@ class RayScorerPool:
         if self._owns_ray:
             self._ray.shutdown()
             return
-        for actor in [*self._idle, *self._starting.values()]:
+        for actor in [*self._idle, *(actor for actor, _ in self._starting.values())]:
             self._ray.kill(actor, no_restart=True)
         self._idle, self._starting = [], {}
 

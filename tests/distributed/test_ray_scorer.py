@@ -63,3 +63,27 @@ def test_ray_pool_sets_up_a_rule_before_an_answers_clock():
         results = pool.score([ScoreRequest("math_verify", "so \\boxed{\\frac{1}{2}}", "0.5")])
         assert pool.num_timeouts == 0
     assert results[0]["acc"] and not results[0]["timed_out"]
+
+
+def test_ray_pool_ends_scoring_when_no_process_gets_through_its_set_up(tmp_path, monkeypatch):
+    """A rule whose import hangs in the scorer processes: no answer's clock ever starts, and
+    the set-up's own limit ends scoring with an error naming it."""
+    requires("ray")
+    from rlep_megatron.reward import pool as pool_module
+    from rlep_megatron.reward import use_reward_function
+    from tests.unit.test_reward import HANGING_IMPORT
+
+    path = tmp_path / "slow_reward.py"
+    path.write_text(HANGING_IMPORT.format(pid=os.getpid()))
+    use_reward_function(f"{path}:compute_score")
+    monkeypatch.setattr(pool_module, "SETUP_LIMIT_S", 3.0)
+    try:
+        with make_scorer_pool("ray", num_workers=1, timeout_s=1.0) as pool:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match="every Ray scorer process has spent over 3 s "
+                                                   "starting or setting up"):
+                pool.score([ScoreRequest("mine", "Answer: 1", "1")])
+            assert time.monotonic() - start < 3.0 + 12.0
+            assert pool.num_timeouts == 0
+    finally:
+        use_reward_function("")

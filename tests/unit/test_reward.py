@@ -183,6 +183,43 @@ def test_a_workers_first_math_verify_answer_is_not_timed_with_its_imports():
     assert [(r["acc"], r["timed_out"]) for r in results] == [(True, False), (True, False)]
 
 
+HANGING_IMPORT = '''
+import os, time
+if os.getpid() != {pid}:  # imports at once in the test's process, hangs in a scorer's
+    time.sleep(600)
+
+def compute_score(data_source, solution_str, ground_truth):
+    return 1.0
+'''
+
+
+@pytest.fixture
+def hanging_reward_module(tmp_path, monkeypatch):
+    """reward.function from a module whose import hangs in every process but this one, and a
+    set-up limit of 3 s."""
+    from rlep_megatron.reward import pool, use_reward_function
+
+    path = tmp_path / "slow_reward.py"
+    path.write_text(HANGING_IMPORT.format(pid=os.getpid()))
+    use_reward_function(f"{path}:compute_score")
+    monkeypatch.setattr(pool, "SETUP_LIMIT_S", 3.0)
+    yield
+    use_reward_function("")
+
+
+def test_a_worker_whose_set_up_hangs_ends_scoring_with_an_error(hanging_reward_module):
+    """An answer's clock never starts for a worker stuck importing its rules: the set-up's own
+    limit ends scoring with an error naming it, and the worker is killed."""
+    pool = ScorerPool(num_workers=1, timeout_s=1.0)
+    pids = pool.pids
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"spent over 3 s starting or setting up the reward "
+                                           r"rules of \['mine'\]"):
+        pool.score([ScoreRequest("mine", "Answer: 1", "1")])
+    assert time.monotonic() - start < 3.0 + 12.0  # slack for a start on a loaded machine
+    assert pool.num_timeouts == 0 and not any(alive(pid) for pid in pids)
+
+
 def test_pool_workers_see_rules_registered_in_the_parent():
     register_rule("shouting", exact_upper)
     with ScorerPool(num_workers=1, timeout_s=10) as pool:
