@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SHAPES = ("qwen2-0.5b", "tiny-moe")
 TIMEOUTS = {"qwen2-0.5b": 125.0, "tiny-moe": 60.0}  # seconds, preparation included
+# with --total-s, the last shape may also take what the shapes before it left of the total
 PHASES = ("rollout", "reward", "old_logprob", "train", "weight_sync", "checkpoint", "step")
 # bf16 decoding with a KV cache against the actor's full-sequence forward, mean |difference|
 # per token. Measured on CPU in bf16 (Intel Xeon): 9.5e-4 on the tiny Qwen2 and at most 8.3e-4
@@ -124,12 +125,23 @@ def rlep(args: list[str], timeout_s: float, log_path: str) -> subprocess.Complet
     return proc
 
 
-def plan_peaks(config: list[str], timeout_s: float, log_path: str) -> dict:
-    proc = rlep(["plan", "--json", *config], min(120.0, timeout_s), log_path)
+def local_spec(device: str) -> bool:
+    """Whether ``rlep train`` builds megatron-core's local layer spec here (no usable
+    TransformerEngine, or the CPU): ``rlep plan`` must then count that spec's activations,
+    which are more than TransformerEngine's."""
+    from rlep_megatron.platform import transformer_engine_status
+
+    return device == "cpu" or not transformer_engine_status()[0]
+
+
+def plan_peaks(config: list[str], timeout_s: float, log_path: str, local: bool) -> dict:
+    proc = rlep(["plan", "--json", *(["--local-spec"] if local else []), *config],
+                min(120.0, timeout_s), log_path)
     if proc.returncode != 0:
         raise RuntimeError(f"rlep plan failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     result = json.loads(proc.stdout[proc.stdout.index("{"):])
-    return {"train": result["peak_train_gib"], "rollout": result["peak_rollout_gib"]}
+    return {"train": result["peak_train_gib"], "rollout": result["peak_rollout_gib"],
+            "spec": "local" if local else "te"}
 
 
 def summarise(shape: str, entries: list[dict], plan: dict, resumed: bool, steps: int) -> str:
@@ -168,8 +180,8 @@ def summarise(shape: str, entries: list[dict], plan: dict, resumed: bool, steps:
     verdict = "OK" if not problems else "FAILED (" + "; ".join(problems) + ")"
     return (f"gpu_step row: {shape} | {verdict} | {len(trained)} steps, resumed at step "
             f"{steps - 1}; logprob_abs_diff {diff:.2e}; peak {memory:.2f} GiB measured "
-            f"(first steps with start-up {start_up:.2f}), plan train {plan['train']:.1f} / "
-            f"rollout {plan['rollout']:.1f} GiB; mean s: {phases}")
+            f"(first steps with start-up {start_up:.2f}), plan ({plan['spec']} spec) train "
+            f"{plan['train']:.1f} / rollout {plan['rollout']:.1f} GiB; mean s: {phases}")
 
 
 def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
@@ -186,7 +198,7 @@ def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
     def left() -> float:
         return timeout_s - (time.perf_counter() - started)
     plan = plan_peaks(config + overrides(model, task, pool, run, steps, device), left(),
-                      os.path.join(root, "plan.log"))
+                      os.path.join(root, "plan.log"), local_spec(device))
     print(f"gpu_step: {shape}: prepared in {time.perf_counter() - started:.0f} s; plan peaks "
           f"{plan}", flush=True)
     first_log = os.path.join(root, "first_run.log")
@@ -215,6 +227,14 @@ def run_shape(shape: str, out: str, steps: int, timeout_s: float, device: str
     return (0 if "| OK |" in row else 1), row
 
 
+def shape_limit(own_s: float, last: bool, total_s: "float | None", elapsed_s: float) -> float:
+    """A shape's limit: its own, or for the last shape with ``--total-s`` what the shapes
+    before it left of the total, when that is more."""
+    if last and total_s is not None:
+        return max(own_s, total_s - elapsed_s)
+    return own_s
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES),
@@ -226,6 +246,9 @@ def main() -> int:
                         help="seconds per shape, preparation included: one value for every "
                              "shape, or one per shape of --shapes (default: "
                              + ", ".join(f"{t:g} for {s}" for s, t in TIMEOUTS.items()) + ")")
+    parser.add_argument("--total-s", type=float, default=None,
+                        help="seconds for all shapes: the last shape's limit grows to what "
+                             "the shapes before it left of this (never below its own)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: the same job on the CPU (to check this program; slow for "
                              "qwen2-0.5b, and the offload is GPU-only)")
@@ -242,7 +265,10 @@ def main() -> int:
     if len(limits) != len(shapes):
         parser.error(f"--timeout-s: {len(limits)} values for {len(shapes)} shapes")
     worst = 0
-    for shape, limit in zip(shapes, limits):
+    started = time.perf_counter()
+    for index, (shape, limit) in enumerate(zip(shapes, limits)):
+        limit = shape_limit(limit, index == len(shapes) - 1, args.total_s,
+                            time.perf_counter() - started)
         try:
             code, line = run_shape(shape, args.out, args.steps, limit, args.device)
         except subprocess.TimeoutExpired:
