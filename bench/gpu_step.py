@@ -126,12 +126,12 @@ def rlep(args: list[str], timeout_s: float, log_path: str) -> subprocess.Complet
 
 
 def local_spec(device: str) -> bool:
-    """Whether ``rlep train`` builds megatron-core's local layer spec here (no usable
-    TransformerEngine, or the CPU): ``rlep plan`` must then count that spec's activations,
-    which are more than TransformerEngine's."""
-    from rlep_megatron.platform import transformer_engine_status
+    """Whether ``rlep train`` builds megatron-core's local layer spec here (the actor's own
+    choice at ``model.transformer_engine=auto``, or the CPU): ``rlep plan`` must then count that
+    spec's activations, which are more than TransformerEngine's."""
+    from rlep_megatron.platform import use_transformer_engine
 
-    return device == "cpu" or not transformer_engine_status()[0]
+    return device == "cpu" or not use_transformer_engine("auto")
 
 
 def plan_peaks(config: list[str], timeout_s: float, log_path: str, local: bool) -> dict:
